@@ -1,0 +1,111 @@
+//! Extension points for model crates that live outside mistral.rs.
+//!
+//! Two things are offered here:
+//! * re-exports of everything a text model needs to implement the loader and
+//!   model traits (caches, attention, layers, loading metadata), so an external
+//!   crate can build a model the same way the built-in ones are built;
+//! * a registry of architectures: a crate registers a loader factory under
+//!   `model_type` and `architectures` names, and the automatic loaders
+//!   (`AutoLoader::detect`, `AutoNormalLoader`) consult it before their own
+//!   closed list, so `mistralrs serve -m DIR` picks the external model.
+//!
+//! The API mirrors the internal traits and is as stable as they are.
+
+use std::sync::{Arc, RwLock};
+
+use serde::Deserialize;
+
+pub use crate::amoe::AnyMoeBaseModelMixin;
+pub use crate::attention::{SdpaParams, ATTENTION_CHUNK_SIZE};
+pub use crate::device_map::{DeviceMappedMask, DeviceMapper};
+pub use crate::kv_cache::{
+    HybridCache, HybridCacheConfig, HybridLayerCache, HybridLayerType, RecurrentLayerConfig,
+    RecurrentStatePool, RecurrentStateSnapshot,
+};
+pub use crate::layers_masker::PastKvLenCache;
+pub use crate::lora::LoraConfig;
+pub use crate::moe::{MoEExperts, MoEExpertsConfig};
+pub use crate::paged_attention::{
+    AttentionImplementation, KvCacheLayout, ModelConfigLike, ModelConfigMetadata, PagedAttention,
+};
+pub use crate::pipeline::text_models_inputs_processor::{FlashParams, PagedAttentionInputMetadata};
+pub use crate::pipeline::{
+    extract_logits, AutoDeviceMapParams, DeviceMappedModelLoader, EitherCache, IsqModel,
+    IsqModelLoader, KvCache, NormalCache, NormalLoadingMetadata, NormalModel, NormalModelLoader,
+};
+pub use crate::utils::progress::NiceProgressBar;
+pub use crate::utils::unvarbuilder::{ToTensors, UnVarBuilder};
+pub use crate::utils::varbuilder_utils::DeviceForLoadTensor;
+pub use crate::xlora_models::{NonGranularState, XLoraConfig};
+
+/// Builds a fresh loader for a registered architecture.
+pub type NormalLoaderFactory = Arc<dyn Fn() -> Box<dyn NormalModelLoader> + Send + Sync>;
+
+struct RegisteredArchitecture {
+    architectures: Vec<String>,
+    model_types: Vec<String>,
+    factory: NormalLoaderFactory,
+}
+
+static ARCHITECTURES: RwLock<Vec<RegisteredArchitecture>> = RwLock::new(Vec::new());
+
+/// The fields of `config.json` that identify a model.
+#[derive(Deserialize)]
+struct ConfigIdentity {
+    #[serde(default)]
+    architectures: Option<Vec<String>>,
+    #[serde(default)]
+    model_type: Option<String>,
+}
+
+/// Register a text model. A `config.json` whose `model_type` is one of
+/// `model_types`, or whose `architectures` contains one of `architectures`,
+/// is loaded with a loader from `factory`. Registered models take precedence
+/// over the built-in ones; registering a name again replaces the earlier entry.
+pub fn register_normal_architecture(
+    architectures: &[&str],
+    model_types: &[&str],
+    factory: NormalLoaderFactory,
+) {
+    let mut registry = ARCHITECTURES
+        .write()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    registry.retain(|entry| {
+        !entry
+            .architectures
+            .iter()
+            .any(|name| architectures.contains(&name.as_str()))
+            && !entry
+                .model_types
+                .iter()
+                .any(|name| model_types.contains(&name.as_str()))
+    });
+    registry.push(RegisteredArchitecture {
+        architectures: architectures.iter().map(|s| s.to_string()).collect(),
+        model_types: model_types.iter().map(|s| s.to_string()).collect(),
+        factory,
+    });
+}
+
+/// The loader registered for this `config.json`, if any.
+pub fn lookup_normal_loader(config_json: &str) -> Option<Box<dyn NormalModelLoader>> {
+    let identity: ConfigIdentity = serde_json::from_str(config_json).ok()?;
+    let registry = ARCHITECTURES
+        .read()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    registry
+        .iter()
+        .find(|entry| {
+            let by_type = identity
+                .model_type
+                .as_ref()
+                .is_some_and(|model_type| entry.model_types.contains(model_type));
+            let by_architecture = identity
+                .architectures
+                .iter()
+                .flatten()
+                .any(|name| entry.architectures.contains(name));
+            by_type || by_architecture
+        })
+        .map(|entry| (entry.factory)())
+}

@@ -1,0 +1,1 @@
+//! Never built: this manifest only names the host crates to fetch.

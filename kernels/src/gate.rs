@@ -1,0 +1,97 @@
+//! KDA forget gate (spec 3.6 step 3).
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::{
+    expect_device, expect_dim, float_dims, invalid_argument, tensor_from_f32, to_f32_vec,
+    unsupported_device, Result,
+};
+
+const OP: &str = "kda_gate";
+
+/// Inputs above this value make softplus return its input (PyTorch's
+/// `F.softplus(x, beta=1, threshold=20)`).
+const SOFTPLUS_THRESHOLD: f32 = 20.0;
+
+/// Computes the KDA forget gate in `f32`:
+/// `g[n, h, c] = -exp(a_log[h]) * softplus(raw[n, h*dk + c] + dt_bias[h*dk + c])`,
+/// then, when `lower_bound` is `Some(lb)`, `g = max(g, lb)`.
+///
+/// * `raw`: `[N, Hv*dk]`, any float dtype (the `f_up(f_down(x))` projection).
+/// * `a_log`: `[Hv]`.
+/// * `dt_bias`: `[Hv*dk]`.
+/// * `num_heads`: `Hv`; it must divide the width of `raw`.
+///
+/// Returns `[N, Hv, dk]` in `f32`.
+pub fn kda_gate(
+    raw: &Tensor,
+    a_log: &Tensor,
+    dt_bias: &Tensor,
+    num_heads: usize,
+    lower_bound: Option<f32>,
+) -> Result<Tensor> {
+    let [tokens, width] = float_dims::<2>(OP, "raw", raw)?;
+    let [a_log_len] = float_dims::<1>(OP, "a_log", a_log)?;
+    let [dt_bias_len] = float_dims::<1>(OP, "dt_bias", dt_bias)?;
+    if num_heads == 0 || width == 0 || width % num_heads != 0 {
+        return Err(invalid_argument(
+            OP,
+            "num_heads",
+            format!("{num_heads} must be positive and divide the positive width {width} of `raw`"),
+        ));
+    }
+    expect_dim(OP, "a_log", "length", a_log_len, num_heads)?;
+    expect_dim(OP, "dt_bias", "length", dt_bias_len, width)?;
+    let device = raw.device();
+    expect_device(OP, "a_log", a_log, device)?;
+    expect_device(OP, "dt_bias", dt_bias, device)?;
+    let head_dim = width / num_heads;
+    match device {
+        Device::Cpu => cpu_kda_gate(
+            raw,
+            a_log,
+            dt_bias,
+            tokens,
+            num_heads,
+            head_dim,
+            lower_bound,
+        ),
+        other => Err(unsupported_device(OP, other)),
+    }
+}
+
+fn cpu_kda_gate(
+    raw: &Tensor,
+    a_log: &Tensor,
+    dt_bias: &Tensor,
+    tokens: usize,
+    num_heads: usize,
+    head_dim: usize,
+    lower_bound: Option<f32>,
+) -> Result<Tensor> {
+    let raw = to_f32_vec(raw)?;
+    let a_log = to_f32_vec(a_log)?;
+    let dt_bias = to_f32_vec(dt_bias)?;
+    let width = num_heads * head_dim;
+    let mut gate = Vec::with_capacity(raw.len());
+    for token_row in raw.chunks_exact(width) {
+        for (channel, &value) in token_row.iter().enumerate() {
+            let decay_rate = -a_log[channel / head_dim].exp();
+            let unclamped = decay_rate * softplus(value + dt_bias[channel]);
+            gate.push(match lower_bound {
+                Some(bound) if unclamped < bound => bound,
+                _ => unclamped,
+            });
+        }
+    }
+    tensor_from_f32(gate, &[tokens, num_heads, head_dim], DType::F32)
+}
+
+/// `ln(1 + exp(x))`, or `x` itself above [`SOFTPLUS_THRESHOLD`].
+fn softplus(x: f32) -> f32 {
+    if x > SOFTPLUS_THRESHOLD {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}

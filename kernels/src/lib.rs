@@ -1,0 +1,189 @@
+//! The heavy operations of the BerryLM model, each with a CPU reference
+//! implementation operating on candle tensors.
+//!
+//! | Function | Spec section | What it computes |
+//! |---|---|---|
+//! | [`kda_gate`] | 3.6 step 3 | KDA forget gate `-exp(A_log) * softplus(raw + dt_bias)`, optionally clamped |
+//! | [`causal_conv1d`] | 3.6 step 4, 4 | depthwise causal short convolution + SiLU, with a carried state of `K` columns |
+//! | [`kda_recurrence`] | 3.6 step 6 | the KDA delta-rule recurrence with per-key-channel decay |
+//! | [`attn_res_mix`] | 3.4 | gated block AttnRes: depth softmax over committed streams and the current stream |
+//! | [`gated_rms_norm`] | 3.1 | RMSNorm before a SiLU gate (the KDA output norm) |
+//!
+//! Every function validates its arguments (rank, sizes, floating-point
+//! dtypes, one device for all tensors) and then dispatches on the device of
+//! its tensors. Only the CPU is implemented; any other device yields
+//! [`KernelError::UnsupportedDevice`] naming the operation.
+//!
+//! Inputs may be `f32`, `bf16` or `f16`. Arithmetic
+//! and accumulation happen in `f32`; where the PyTorch reference rounds an
+//! intermediate to the activation dtype, the CPU implementation rounds it the
+//! same way (round-to-nearest-even through candle's dtype conversion).
+//!
+//! # Errors
+//!
+//! All functions return [`Result`], whose error type is [`KernelError`]. A
+//! [`KernelError`] converts into a [`candle_core::Error`] (the wrapped candle
+//! error is returned as is), so callers working with `candle_core::Result`
+//! can use `?` directly.
+
+use candle_core::{DType, Device, Tensor};
+
+mod attn_res;
+mod conv;
+mod gate;
+mod norm;
+mod recurrence;
+
+pub use attn_res::attn_res_mix;
+pub use conv::causal_conv1d;
+pub use gate::kda_gate;
+pub use norm::gated_rms_norm;
+pub use recurrence::kda_recurrence;
+
+/// Errors returned by the kernels of this crate.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    /// An argument has the wrong rank, size, dtype or device.
+    #[error("{op}: invalid argument `{arg}`: {reason}")]
+    InvalidArgument {
+        /// The operation that rejected the argument.
+        op: &'static str,
+        /// The name of the offending argument.
+        arg: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The operation has no implementation for the device of its tensors.
+    #[error("{op}: not implemented for device {device}")]
+    UnsupportedDevice {
+        /// The operation that was called.
+        op: &'static str,
+        /// The device the tensors live on.
+        device: String,
+    },
+    /// An error raised by candle while reading or building tensors.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+impl From<KernelError> for candle_core::Error {
+    fn from(error: KernelError) -> Self {
+        match error {
+            KernelError::Candle(inner) => inner,
+            other => candle_core::Error::wrap(other),
+        }
+    }
+}
+
+/// Result type of every function of this crate.
+pub type Result<T> = std::result::Result<T, KernelError>;
+
+fn invalid_argument(op: &'static str, arg: &'static str, reason: String) -> KernelError {
+    KernelError::InvalidArgument { op, arg, reason }
+}
+
+fn unsupported_device(op: &'static str, device: &Device) -> KernelError {
+    KernelError::UnsupportedDevice {
+        op,
+        device: format!("{:?}", device.location()),
+    }
+}
+
+/// Returns the dimensions of `tensor`, which must have rank `RANK` and a
+/// floating-point dtype that this crate supports.
+fn float_dims<const RANK: usize>(
+    op: &'static str,
+    arg: &'static str,
+    tensor: &Tensor,
+) -> Result<[usize; RANK]> {
+    match tensor.dtype() {
+        DType::F16 | DType::BF16 | DType::F32 => {}
+        other => {
+            return Err(invalid_argument(
+                op,
+                arg,
+                format!("dtype {other:?} is not supported (expected f32, bf16 or f16)"),
+            ))
+        }
+    }
+    <[usize; RANK]>::try_from(tensor.dims()).map_err(|_| {
+        invalid_argument(
+            op,
+            arg,
+            format!("expected rank {RANK}, got shape {:?}", tensor.dims()),
+        )
+    })
+}
+
+/// Fails unless `actual == expected`, describing the dimension by `what`.
+fn expect_dim(
+    op: &'static str,
+    arg: &'static str,
+    what: &str,
+    actual: usize,
+    expected: usize,
+) -> Result<()> {
+    if actual == expected {
+        Ok(())
+    } else {
+        Err(invalid_argument(
+            op,
+            arg,
+            format!("{what} is {actual}, expected {expected}"),
+        ))
+    }
+}
+
+/// Fails unless `tensor` lives on `device`.
+fn expect_device(
+    op: &'static str,
+    arg: &'static str,
+    tensor: &Tensor,
+    device: &Device,
+) -> Result<()> {
+    if tensor.device().same_device(device) {
+        Ok(())
+    } else {
+        Err(invalid_argument(
+            op,
+            arg,
+            format!(
+                "is on device {:?}, expected {:?}",
+                tensor.device().location(),
+                device.location()
+            ),
+        ))
+    }
+}
+
+/// Copies `tensor` into a row-major `Vec<f32>` (exact for every supported
+/// dtype).
+fn to_f32_vec(tensor: &Tensor) -> Result<Vec<f32>> {
+    Ok(tensor
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?)
+}
+
+/// Rounds every value to the nearest value representable in `dtype`
+/// (round-to-nearest-even), returning the results as `f32`.
+fn round_to_dtype(values: Vec<f32>, dtype: DType) -> Result<Vec<f32>> {
+    match dtype {
+        DType::F32 => Ok(values),
+        _ => {
+            let len = values.len();
+            let tensor = Tensor::from_vec(values, len, &Device::Cpu)?;
+            to_f32_vec(&tensor.to_dtype(dtype)?)
+        }
+    }
+}
+
+/// Builds a CPU tensor of `dtype` from `f32` values in row-major order.
+fn tensor_from_f32(values: Vec<f32>, dims: &[usize], dtype: DType) -> Result<Tensor> {
+    Ok(Tensor::from_vec(values, dims, &Device::Cpu)?.to_dtype(dtype)?)
+}
+
+/// `x * sigmoid(x)` in `f32`, written as `x / (1 + exp(-x))` like PyTorch.
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}

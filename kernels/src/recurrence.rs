@@ -1,0 +1,251 @@
+//! KDA delta-rule recurrence (spec 3.6 step 6).
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::{
+    expect_device, expect_dim, float_dims, invalid_argument, tensor_from_f32, to_f32_vec,
+    unsupported_device, Result,
+};
+
+const OP: &str = "kda_recurrence";
+
+/// Epsilon of the q/k L2 normalisation (a fixed constant, not `rms_norm_eps`).
+const L2_NORM_EPS: f32 = 1e-6;
+
+/// Sizes of one `kda_recurrence` call.
+struct RecurrenceDims {
+    batch: usize,
+    seq_len: usize,
+    key_heads: usize,
+    value_heads: usize,
+    key_dim: usize,
+    value_dim: usize,
+}
+
+/// Runs the KDA recurrence token by token, in `f32`.
+///
+/// * `q`, `k`: `[B, T, Hk, dk]`.
+/// * `v`: `[B, T, Hv, dv]`; `Hv` must be a multiple of `Hk`, and value head
+///   `j` uses key head `j / (Hv / Hk)` (grouped, like `repeat_interleave`).
+/// * `g`: `[B, T, Hv, dk]`, the log-decay per key channel (`f32`).
+/// * `beta`: `[B, T, Hv]`, the write strength (`f32`).
+/// * `state`: `[B, Hv, dk, dv]`, the state before the first token (`f32`).
+///
+/// Inputs of other float dtypes are cast to `f32`. For each value head and
+/// token, with `S` the `dk x dv` state:
+///
+/// ```text
+/// q̂ = l2norm(q) * dk^-0.5,  k̂ = l2norm(k),   l2norm(x) = x / sqrt(sum(x^2) + 1e-6)
+/// S[c, :] *= exp(g[c])                 for every key channel c
+/// u = Sᵀ k̂;  δ = beta * (v - u);  S += k̂ δᵀ
+/// o = Sᵀ q̂                            (read after the write)
+/// ```
+///
+/// Returns `(output [B, T, Hv, dv], final_state [B, Hv, dk, dv])`, both `f32`.
+pub fn kda_recurrence(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    state: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let dims = validate(q, k, v, g, beta, state)?;
+    match q.device() {
+        Device::Cpu => cpu_kda_recurrence(q, k, v, g, beta, state, &dims),
+        other => Err(unsupported_device(OP, other)),
+    }
+}
+
+fn validate(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    state: &Tensor,
+) -> Result<RecurrenceDims> {
+    let [batch, seq_len, key_heads, key_dim] = float_dims::<4>(OP, "q", q)?;
+    let k_dims = float_dims::<4>(OP, "k", k)?;
+    let [v_batch, v_seq_len, value_heads, value_dim] = float_dims::<4>(OP, "v", v)?;
+    let g_dims = float_dims::<4>(OP, "g", g)?;
+    let [beta_batch, beta_seq_len, beta_heads] = float_dims::<3>(OP, "beta", beta)?;
+    let state_dims = float_dims::<4>(OP, "state", state)?;
+
+    if k_dims != [batch, seq_len, key_heads, key_dim] {
+        return Err(invalid_argument(
+            OP,
+            "k",
+            format!(
+                "shape {k_dims:?} differs from the shape of `q` {:?}",
+                q.dims()
+            ),
+        ));
+    }
+    for (arg, what, size) in [
+        ("q", "key head count (dim 2)", key_heads),
+        ("q", "key dim (dim 3)", key_dim),
+        ("v", "value dim (dim 3)", value_dim),
+    ] {
+        if size == 0 {
+            return Err(invalid_argument(
+                OP,
+                arg,
+                format!("{what} must be positive"),
+            ));
+        }
+    }
+    if value_heads == 0 || value_heads % key_heads != 0 {
+        return Err(invalid_argument(
+            OP,
+            "v",
+            format!(
+                "value head count (dim 2) {value_heads} must be a positive multiple of the key head count {key_heads}"
+            ),
+        ));
+    }
+    expect_dim(OP, "v", "batch size (dim 0)", v_batch, batch)?;
+    expect_dim(OP, "v", "sequence length (dim 1)", v_seq_len, seq_len)?;
+    let expected_g = [batch, seq_len, value_heads, key_dim];
+    if g_dims != expected_g {
+        return Err(invalid_argument(
+            OP,
+            "g",
+            format!("shape {g_dims:?}, expected [B, T, Hv, dk] = {expected_g:?}"),
+        ));
+    }
+    let expected_beta = [batch, seq_len, value_heads];
+    if [beta_batch, beta_seq_len, beta_heads] != expected_beta {
+        return Err(invalid_argument(
+            OP,
+            "beta",
+            format!(
+                "shape {:?}, expected [B, T, Hv] = {expected_beta:?}",
+                beta.dims()
+            ),
+        ));
+    }
+    let expected_state = [batch, value_heads, key_dim, value_dim];
+    if state_dims != expected_state {
+        return Err(invalid_argument(
+            OP,
+            "state",
+            format!("shape {state_dims:?}, expected [B, Hv, dk, dv] = {expected_state:?}"),
+        ));
+    }
+    let device = q.device();
+    for (arg, tensor) in [
+        ("k", k),
+        ("v", v),
+        ("g", g),
+        ("beta", beta),
+        ("state", state),
+    ] {
+        expect_device(OP, arg, tensor, device)?;
+    }
+    Ok(RecurrenceDims {
+        batch,
+        seq_len,
+        key_heads,
+        value_heads,
+        key_dim,
+        value_dim,
+    })
+}
+
+fn cpu_kda_recurrence(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    state: &Tensor,
+    dims: &RecurrenceDims,
+) -> Result<(Tensor, Tensor)> {
+    let &RecurrenceDims {
+        batch,
+        seq_len,
+        key_heads,
+        value_heads,
+        key_dim,
+        value_dim,
+    } = dims;
+    let q = to_f32_vec(q)?;
+    let k = to_f32_vec(k)?;
+    let v = to_f32_vec(v)?;
+    let g = to_f32_vec(g)?;
+    let beta = to_f32_vec(beta)?;
+    let mut state = to_f32_vec(state)?;
+
+    let group_size = value_heads / key_heads;
+    let query_scale = (key_dim as f64).powf(-0.5) as f32;
+    let mut output = vec![0f32; batch * seq_len * value_heads * value_dim];
+    let mut query = vec![0f32; key_dim];
+    let mut key = vec![0f32; key_dim];
+    let mut delta = vec![0f32; value_dim];
+
+    for b in 0..batch {
+        for head in 0..value_heads {
+            let key_head = head / group_size;
+            let state_start = (b * value_heads + head) * key_dim * value_dim;
+            let s = &mut state[state_start..state_start + key_dim * value_dim];
+            for t in 0..seq_len {
+                let key_start = ((b * seq_len + t) * key_heads + key_head) * key_dim;
+                l2_normalize(&q[key_start..key_start + key_dim], &mut query);
+                for value in query.iter_mut() {
+                    *value *= query_scale;
+                }
+                l2_normalize(&k[key_start..key_start + key_dim], &mut key);
+
+                let token_head = (b * seq_len + t) * value_heads + head;
+                let decay = &g[token_head * key_dim..(token_head + 1) * key_dim];
+                let value_t = &v[token_head * value_dim..(token_head + 1) * value_dim];
+                let beta_t = beta[token_head];
+
+                for (row, &log_decay) in s.chunks_exact_mut(value_dim).zip(decay) {
+                    let factor = log_decay.exp();
+                    for entry in row.iter_mut() {
+                        *entry *= factor;
+                    }
+                }
+                for (e, delta_e) in delta.iter_mut().enumerate() {
+                    let mut prediction = 0f32;
+                    for (c, &key_c) in key.iter().enumerate() {
+                        prediction += s[c * value_dim + e] * key_c;
+                    }
+                    *delta_e = beta_t * (value_t[e] - prediction);
+                }
+                for (row, &key_c) in s.chunks_exact_mut(value_dim).zip(&key) {
+                    for (entry, &delta_e) in row.iter_mut().zip(&delta) {
+                        *entry += key_c * delta_e;
+                    }
+                }
+                let out = &mut output[token_head * value_dim..(token_head + 1) * value_dim];
+                for (e, out_e) in out.iter_mut().enumerate() {
+                    let mut read = 0f32;
+                    for (c, &query_c) in query.iter().enumerate() {
+                        read += s[c * value_dim + e] * query_c;
+                    }
+                    *out_e = read;
+                }
+            }
+        }
+    }
+
+    let output = tensor_from_f32(
+        output,
+        &[batch, seq_len, value_heads, value_dim],
+        DType::F32,
+    )?;
+    let state = tensor_from_f32(state, &[batch, value_heads, key_dim, value_dim], DType::F32)?;
+    Ok((output, state))
+}
+
+/// Writes `input / sqrt(sum(input^2) + eps)` into `output`.
+fn l2_normalize(input: &[f32], output: &mut [f32]) {
+    let sum_of_squares: f32 = input.iter().map(|&value| value * value).sum();
+    let inv_norm = 1.0 / (sum_of_squares + L2_NORM_EPS).sqrt();
+    for (out, &value) in output.iter_mut().zip(input) {
+        *out = value * inv_norm;
+    }
+}

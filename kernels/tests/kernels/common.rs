@@ -1,0 +1,75 @@
+//! Helpers shared by the kernel tests.
+
+use berrylm_kernels::Result;
+use candle_core::{DType, Device, Tensor};
+
+/// A small deterministic PRNG (SplitMix64).
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut mixed = self.0;
+        mixed = (mixed ^ (mixed >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        mixed = (mixed ^ (mixed >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        mixed ^ (mixed >> 31)
+    }
+
+    /// A value drawn uniformly from `[low, high)`.
+    pub fn uniform(&mut self, low: f32, high: f32) -> f32 {
+        let unit = (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
+        low + (high - low) * unit
+    }
+
+    /// `len` values drawn uniformly from `[low, high)`.
+    pub fn uniform_vec(&mut self, len: usize, low: f32, high: f32) -> Vec<f32> {
+        (0..len).map(|_| self.uniform(low, high)).collect()
+    }
+}
+
+/// A CPU `f32` tensor of the given shape.
+pub fn tensor(values: Vec<f32>, dims: &[usize]) -> Result<Tensor> {
+    Ok(Tensor::from_vec(values, dims, &Device::Cpu)?)
+}
+
+/// The values of `tensor` as `f32`, in row-major order.
+pub fn f32_values(tensor: &Tensor) -> Result<Vec<f32>> {
+    Ok(tensor
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?)
+}
+
+/// The values of `tensor` as `f64`, in row-major order.
+pub fn f64_values(tensor: &Tensor) -> Result<Vec<f64>> {
+    Ok(f32_values(tensor)?.into_iter().map(f64::from).collect())
+}
+
+/// Asserts `|actual - expected| <= atol + rtol * |expected|` element-wise.
+pub fn assert_close(actual: &[f32], expected: &[f64], atol: f64, rtol: f64) {
+    assert_eq!(actual.len(), expected.len(), "element counts differ");
+    for (index, (&got, &want)) in actual.iter().zip(expected).enumerate() {
+        let error = (f64::from(got) - want).abs();
+        assert!(
+            error <= atol + rtol * want.abs(),
+            "element {index}: got {got}, expected {want} (error {error:e})"
+        );
+    }
+}
+
+/// Asserts that two tensors have the same shape, dtype and values.
+pub fn assert_identical(actual: &Tensor, expected: &Tensor) -> Result<()> {
+    assert_eq!(actual.dims(), expected.dims(), "shapes differ");
+    assert_eq!(actual.dtype(), expected.dtype(), "dtypes differ");
+    assert_eq!(f32_values(actual)?, f32_values(expected)?, "values differ");
+    Ok(())
+}
+
+/// `x * sigmoid(x)` in `f64`.
+pub fn silu(x: f64) -> f64 {
+    x / (1.0 + (-x).exp())
+}

@@ -1,0 +1,202 @@
+use berrylm_kernels::{causal_conv1d, Result};
+use candle_core::{DType, Tensor};
+
+use crate::common::{assert_close, assert_identical, f32_values, f64_values, silu, tensor, Rng};
+
+const BATCH: usize = 2;
+const CHANNELS: usize = 3;
+const KERNEL: usize = 4;
+
+struct ConvInputs {
+    seq_len: usize,
+    x: Tensor,
+    weight: Tensor,
+    state: Tensor,
+}
+
+fn inputs(seed: u64, seq_len: usize, fresh: bool) -> Result<ConvInputs> {
+    let mut rng = Rng::new(seed);
+    let x = tensor(
+        rng.uniform_vec(BATCH * seq_len * CHANNELS, -2.0, 2.0),
+        &[BATCH, seq_len, CHANNELS],
+    )?;
+    let weight = tensor(
+        rng.uniform_vec(CHANNELS * KERNEL, -1.0, 1.0),
+        &[CHANNELS, KERNEL],
+    )?;
+    let state_values = if fresh {
+        vec![0.0; BATCH * CHANNELS * KERNEL]
+    } else {
+        rng.uniform_vec(BATCH * CHANNELS * KERNEL, -2.0, 2.0)
+    };
+    let state = tensor(state_values, &[BATCH, CHANNELS, KERNEL])?;
+    Ok(ConvInputs {
+        seq_len,
+        x,
+        weight,
+        state,
+    })
+}
+
+/// Output and new state in `f64`, from the convolution written with time lags:
+/// `pre[t] = sum_i weight[K-1-i] * stream[t-i]`, where negative times read the
+/// state (`stream[-m] = state[K-m]`).
+fn reference(inputs: &ConvInputs) -> Result<(Vec<f64>, Vec<f64>)> {
+    let seq_len = inputs.seq_len;
+    let x = f64_values(&inputs.x)?;
+    let weight = f64_values(&inputs.weight)?;
+    let state = f64_values(&inputs.state)?;
+    let stream = |b: usize, c: usize, time: isize| -> f64 {
+        if time >= 0 {
+            x[(b * seq_len + time as usize) * CHANNELS + c]
+        } else {
+            state[(b * CHANNELS + c) * KERNEL + (KERNEL as isize + time) as usize]
+        }
+    };
+    let mut output = vec![0.0; BATCH * seq_len * CHANNELS];
+    let mut new_state = vec![0.0; BATCH * CHANNELS * KERNEL];
+    for b in 0..BATCH {
+        for c in 0..CHANNELS {
+            for t in 0..seq_len {
+                let pre: f64 = (0..KERNEL)
+                    .map(|lag| {
+                        weight[c * KERNEL + KERNEL - 1 - lag]
+                            * stream(b, c, t as isize - lag as isize)
+                    })
+                    .sum();
+                output[(b * seq_len + t) * CHANNELS + c] = silu(pre);
+            }
+            for column in 0..KERNEL {
+                let time = seq_len as isize - KERNEL as isize + column as isize;
+                new_state[(b * CHANNELS + c) * KERNEL + column] = stream(b, c, time);
+            }
+        }
+    }
+    Ok((output, new_state))
+}
+
+fn check_against_reference(inputs: &ConvInputs) -> Result<()> {
+    let (output, new_state) = causal_conv1d(&inputs.x, &inputs.weight, &inputs.state)?;
+    let (expected_output, expected_state) = reference(inputs)?;
+    assert_eq!(output.dims(), &[BATCH, inputs.seq_len, CHANNELS]);
+    assert_eq!(new_state.dims(), &[BATCH, CHANNELS, KERNEL]);
+    assert_close(&f32_values(&output)?, &expected_output, 1e-6, 1e-5);
+    assert_close(&f32_values(&new_state)?, &expected_state, 0.0, 0.0);
+    Ok(())
+}
+
+#[test]
+fn fresh_sequence_matches_reference() -> Result<()> {
+    for seq_len in [1, 3, 9] {
+        check_against_reference(&inputs(10 + seq_len as u64, seq_len, true)?)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn carried_state_matches_reference() -> Result<()> {
+    for seq_len in [1, 2, 7] {
+        check_against_reference(&inputs(20 + seq_len as u64, seq_len, false)?)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn first_state_column_does_not_affect_output() -> Result<()> {
+    let inputs = inputs(30, 5, false)?;
+    let first_column_changed = inputs.state.slice_assign(
+        &[0..BATCH, 0..CHANNELS, 0..1],
+        &Tensor::full(100f32, (BATCH, CHANNELS, 1), &candle_core::Device::Cpu)?,
+    )?;
+    let (output, _) = causal_conv1d(&inputs.x, &inputs.weight, &inputs.state)?;
+    let (output_changed, _) = causal_conv1d(&inputs.x, &inputs.weight, &first_column_changed)?;
+    assert_identical(&output, &output_changed)
+}
+
+#[test]
+fn chunks_with_carried_state_equal_one_call() -> Result<()> {
+    let seq_len = 9;
+    let inputs = inputs(40, seq_len, false)?;
+    let (whole_output, whole_state) = causal_conv1d(&inputs.x, &inputs.weight, &inputs.state)?;
+    for chunk_lengths in [vec![1, 2, 1, 4, 1], vec![1; 9], vec![5, 4], vec![3, 3, 3]] {
+        let mut state = inputs.state.clone();
+        let mut outputs = Vec::new();
+        let mut start = 0;
+        for length in chunk_lengths {
+            let chunk = inputs.x.narrow(1, start, length)?;
+            let (output, next_state) = causal_conv1d(&chunk, &inputs.weight, &state)?;
+            outputs.push(output);
+            state = next_state;
+            start += length;
+        }
+        assert_eq!(start, seq_len);
+        assert_identical(&Tensor::cat(&outputs, 1)?, &whole_output)?;
+        assert_identical(&state, &whole_state)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn bf16_is_within_bf16_tolerance_of_f32() -> Result<()> {
+    let inputs = inputs(50, 6, false)?;
+    let (f32_output, f32_state) = causal_conv1d(&inputs.x, &inputs.weight, &inputs.state)?;
+    let x = inputs.x.to_dtype(DType::BF16)?;
+    let weight = inputs.weight.to_dtype(DType::BF16)?;
+    let state = inputs.state.to_dtype(DType::BF16)?;
+    let (output, new_state) = causal_conv1d(&x, &weight, &state)?;
+    assert_eq!(output.dtype(), DType::BF16);
+    assert_eq!(new_state.dtype(), DType::BF16);
+    assert_close(&f32_values(&output)?, &f64_values(&f32_output)?, 2e-2, 2e-2);
+    assert_close(
+        &f32_values(&new_state)?,
+        &f64_values(&f32_state)?,
+        0.0,
+        1e-2,
+    );
+    Ok(())
+}
+
+#[test]
+fn state_keeps_its_own_dtype() -> Result<()> {
+    let inputs = inputs(60, 3, false)?;
+    let x = inputs.x.to_dtype(DType::BF16)?;
+    let (output, new_state) = causal_conv1d(&x, &inputs.weight, &inputs.state)?;
+    assert_eq!(output.dtype(), DType::BF16);
+    assert_eq!(new_state.dtype(), DType::F32);
+    let expected_state = Tensor::cat(
+        &[
+            inputs.state.narrow(2, 3, 1)?,
+            x.to_dtype(DType::F32)?.transpose(1, 2)?,
+        ],
+        2,
+    )?;
+    assert_identical(&new_state, &expected_state.contiguous()?)
+}
+
+/// The PyTorch chain in bf16: the taps accumulated in `f32` in tap order,
+/// rounded to bf16, then SiLU in `f32` rounded to bf16.
+#[test]
+fn bf16_rounds_like_the_reference_chain() -> Result<()> {
+    let seq_len = 6;
+    let inputs = inputs(70, seq_len, false)?;
+    let x = inputs.x.to_dtype(DType::BF16)?;
+    let weight = inputs.weight.to_dtype(DType::BF16)?;
+    let state = inputs.state.to_dtype(DType::BF16)?;
+    let history = Tensor::cat(&[&state, &x.transpose(1, 2)?], 2)?.to_dtype(DType::F32)?;
+    let taps = weight.to_dtype(DType::F32)?;
+    let mut pre_activation = Tensor::zeros((BATCH, CHANNELS, seq_len), DType::F32, x.device())?;
+    for tap in 0..KERNEL {
+        let window = history.narrow(2, tap + 1, seq_len)?;
+        let tap_weight = taps.narrow(1, tap, 1)?.unsqueeze(0)?;
+        pre_activation = (pre_activation + window.broadcast_mul(&tap_weight)?)?;
+    }
+    let expected = pre_activation
+        .to_dtype(DType::BF16)?
+        .to_dtype(DType::F32)?
+        .silu()?
+        .to_dtype(DType::BF16)?
+        .transpose(1, 2)?
+        .contiguous()?;
+    let (output, _) = causal_conv1d(&x, &weight, &state)?;
+    assert_identical(&output, &expected)
+}

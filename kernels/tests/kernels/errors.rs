@@ -1,0 +1,159 @@
+use berrylm_kernels::{
+    attn_res_mix, causal_conv1d, gated_rms_norm, kda_gate, kda_recurrence, KernelError, Result,
+};
+use candle_core::{DType, Device, Tensor};
+
+fn zeros(dims: &[usize]) -> Tensor {
+    Tensor::zeros(dims, DType::F32, &Device::Cpu).expect("zeros")
+}
+
+/// Asserts that `result` is an invalid-argument error of `op` naming `arg`.
+fn assert_rejects<T: std::fmt::Debug>(result: Result<T>, op: &str, arg: &str) {
+    match result {
+        Err(KernelError::InvalidArgument {
+            op: error_op,
+            arg: error_arg,
+            reason,
+        }) => {
+            assert_eq!((error_op, error_arg), (op, arg), "reason: {reason}");
+        }
+        other => panic!("expected {op} to reject `{arg}`, got {other:?}"),
+    }
+}
+
+#[test]
+fn kda_gate_rejects_bad_arguments() {
+    let raw = zeros(&[2, 8]);
+    let a_log = zeros(&[2]);
+    let dt_bias = zeros(&[8]);
+    assert_rejects(
+        kda_gate(&raw, &a_log, &dt_bias, 3, None),
+        "kda_gate",
+        "num_heads",
+    );
+    assert_rejects(
+        kda_gate(&raw, &a_log, &dt_bias, 0, None),
+        "kda_gate",
+        "num_heads",
+    );
+    assert_rejects(
+        kda_gate(&raw, &zeros(&[4]), &dt_bias, 2, None),
+        "kda_gate",
+        "a_log",
+    );
+    assert_rejects(
+        kda_gate(&raw, &a_log, &zeros(&[4]), 2, None),
+        "kda_gate",
+        "dt_bias",
+    );
+    assert_rejects(
+        kda_gate(&zeros(&[2, 2, 4]), &a_log, &dt_bias, 2, None),
+        "kda_gate",
+        "raw",
+    );
+    let integer_raw = Tensor::zeros((2, 8), DType::U32, &Device::Cpu).expect("zeros");
+    assert_rejects(
+        kda_gate(&integer_raw, &a_log, &dt_bias, 2, None),
+        "kda_gate",
+        "raw",
+    );
+}
+
+#[test]
+fn causal_conv1d_rejects_bad_arguments() {
+    let x = zeros(&[2, 5, 3]);
+    let weight = zeros(&[3, 4]);
+    let state = zeros(&[2, 3, 4]);
+    let op = "causal_conv1d";
+    assert_rejects(causal_conv1d(&x, &zeros(&[4, 4]), &state), op, "weight");
+    assert_rejects(
+        causal_conv1d(&x, &zeros(&[3, 0]), &zeros(&[2, 3, 0])),
+        op,
+        "weight",
+    );
+    assert_rejects(causal_conv1d(&x, &weight, &zeros(&[2, 3, 3])), op, "state");
+    assert_rejects(causal_conv1d(&x, &weight, &zeros(&[1, 3, 4])), op, "state");
+    assert_rejects(causal_conv1d(&zeros(&[5, 3]), &weight, &state), op, "x");
+}
+
+#[test]
+fn kda_recurrence_rejects_bad_arguments() {
+    let (b, t, hk, hv, dk, dv) = (2, 3, 2, 4, 5, 6);
+    let q = zeros(&[b, t, hk, dk]);
+    let v = zeros(&[b, t, hv, dv]);
+    let g = zeros(&[b, t, hv, dk]);
+    let beta = zeros(&[b, t, hv]);
+    let state = zeros(&[b, hv, dk, dv]);
+    let op = "kda_recurrence";
+    let bad_k = zeros(&[b, t, hk, dk + 1]);
+    assert_rejects(kda_recurrence(&q, &bad_k, &v, &g, &beta, &state), op, "k");
+    let bad_v = zeros(&[b, t, 3, dv]);
+    assert_rejects(kda_recurrence(&q, &q, &bad_v, &g, &beta, &state), op, "v");
+    let bad_g = zeros(&[b, t, hv, dv]);
+    assert_rejects(kda_recurrence(&q, &q, &v, &bad_g, &beta, &state), op, "g");
+    let bad_beta = zeros(&[b, t, hk]);
+    assert_rejects(
+        kda_recurrence(&q, &q, &v, &g, &bad_beta, &state),
+        op,
+        "beta",
+    );
+    let bad_state = zeros(&[b, hv, dv, dk]);
+    assert_rejects(
+        kda_recurrence(&q, &q, &v, &g, &beta, &bad_state),
+        op,
+        "state",
+    );
+    let short_v = zeros(&[b, t - 1, hv, dv]);
+    assert_rejects(kda_recurrence(&q, &q, &short_v, &g, &beta, &state), op, "v");
+}
+
+#[test]
+fn attn_res_mix_rejects_bad_arguments() {
+    let x = zeros(&[3, 8]);
+    let query = zeros(&[8]);
+    let op = "attn_res_mix";
+    assert_rejects(attn_res_mix(&[], &query, None, 1e-6), op, "sources");
+    assert_rejects(
+        attn_res_mix(&[zeros(&[3, 7]), x.clone()], &query, None, 1e-6),
+        op,
+        "sources",
+    );
+    assert_rejects(
+        attn_res_mix(std::slice::from_ref(&x), &zeros(&[7]), None, 1e-6),
+        op,
+        "pseudo_query",
+    );
+}
+
+#[test]
+fn gated_rms_norm_rejects_bad_arguments() {
+    let x = zeros(&[3, 8]);
+    let op = "gated_rms_norm";
+    assert_rejects(
+        gated_rms_norm(&x, &zeros(&[3, 7]), &zeros(&[8]), 1e-6),
+        op,
+        "z",
+    );
+    assert_rejects(gated_rms_norm(&x, &x, &zeros(&[7]), 1e-6), op, "weight");
+    assert_rejects(
+        gated_rms_norm(&zeros(&[8]), &x, &zeros(&[8]), 1e-6),
+        op,
+        "x",
+    );
+}
+
+#[test]
+fn errors_convert_to_candle_errors_with_their_message() {
+    let error = kda_gate(&zeros(&[2, 8]), &zeros(&[2]), &zeros(&[8]), 3, None)
+        .expect_err("3 heads do not divide 8 channels");
+    let message = error.to_string();
+    assert!(
+        message.starts_with("kda_gate: invalid argument `num_heads`"),
+        "{message}"
+    );
+    let candle_error: candle_core::Error = error.into();
+    assert!(
+        candle_error.to_string().contains("`num_heads`"),
+        "{candle_error}"
+    );
+}

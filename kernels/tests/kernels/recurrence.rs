@@ -1,0 +1,309 @@
+use berrylm_kernels::{kda_recurrence, Result};
+use candle_core::{DType, Tensor};
+
+use crate::common::{assert_close, assert_identical, f32_values, f64_values, tensor, Rng};
+
+#[derive(Clone, Copy)]
+struct Sizes {
+    batch: usize,
+    seq_len: usize,
+    key_heads: usize,
+    value_heads: usize,
+    key_dim: usize,
+    value_dim: usize,
+}
+
+struct RecurrenceInputs {
+    sizes: Sizes,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state: Tensor,
+}
+
+/// Random inputs like HF's `test_kda_chunked_matches_recurrent`:
+/// `g = -U(0, 1)`, `beta = U(0, 1)`.
+fn inputs(seed: u64, sizes: Sizes, fresh_state: bool) -> Result<RecurrenceInputs> {
+    let Sizes {
+        batch: b,
+        seq_len: t,
+        key_heads: hk,
+        value_heads: hv,
+        key_dim: dk,
+        value_dim: dv,
+    } = sizes;
+    let mut rng = Rng::new(seed);
+    let state_values = if fresh_state {
+        vec![0.0; b * hv * dk * dv]
+    } else {
+        rng.uniform_vec(b * hv * dk * dv, -0.5, 0.5)
+    };
+    Ok(RecurrenceInputs {
+        sizes,
+        q: tensor(rng.uniform_vec(b * t * hk * dk, -1.0, 1.0), &[b, t, hk, dk])?,
+        k: tensor(rng.uniform_vec(b * t * hk * dk, -1.0, 1.0), &[b, t, hk, dk])?,
+        v: tensor(rng.uniform_vec(b * t * hv * dv, -1.0, 1.0), &[b, t, hv, dv])?,
+        g: tensor(rng.uniform_vec(b * t * hv * dk, -1.0, 0.0), &[b, t, hv, dk])?,
+        beta: tensor(rng.uniform_vec(b * t * hv, 0.0, 1.0), &[b, t, hv])?,
+        state: tensor(state_values, &[b, hv, dk, dv])?,
+    })
+}
+
+/// Row-major `rows x inner` times `inner x cols`.
+fn matmul(lhs: &[f64], rhs: &[f64], rows: usize, inner: usize, cols: usize) -> Vec<f64> {
+    let mut product = vec![0.0; rows * cols];
+    for i in 0..rows {
+        for j in 0..cols {
+            product[i * cols + j] = (0..inner)
+                .map(|m| lhs[i * inner + m] * rhs[m * cols + j])
+                .sum();
+        }
+    }
+    product
+}
+
+fn l2_normalized(values: &[f64]) -> Vec<f64> {
+    let norm = (values.iter().map(|v| v * v).sum::<f64>() + 1e-6).sqrt();
+    values.iter().map(|v| v / norm).collect()
+}
+
+/// Output and final state in `f64` from the closed form
+/// `S_t = (I - beta k k^T) D_t S_{t-1} + beta k v^T`, `o_t = S_t^T q`,
+/// with value head `j` reading key head `j / (Hv / Hk)`.
+fn reference(inputs: &RecurrenceInputs) -> Result<(Vec<f64>, Vec<f64>)> {
+    let Sizes {
+        batch,
+        seq_len,
+        key_heads,
+        value_heads,
+        key_dim: dk,
+        value_dim: dv,
+    } = inputs.sizes;
+    let q = f64_values(&inputs.q)?;
+    let k = f64_values(&inputs.k)?;
+    let v = f64_values(&inputs.v)?;
+    let g = f64_values(&inputs.g)?;
+    let beta = f64_values(&inputs.beta)?;
+    let mut states = f64_values(&inputs.state)?;
+    let mut output = vec![0.0; batch * seq_len * value_heads * dv];
+    let group = value_heads / key_heads;
+    for b in 0..batch {
+        for j in 0..value_heads {
+            let key_head = j / group;
+            let state_range = (b * value_heads + j) * dk * dv..(b * value_heads + j + 1) * dk * dv;
+            let mut state = states[state_range.clone()].to_vec();
+            for t in 0..seq_len {
+                let key_offset = ((b * seq_len + t) * key_heads + key_head) * dk;
+                let token_head = (b * seq_len + t) * value_heads + j;
+                let query: Vec<f64> = l2_normalized(&q[key_offset..key_offset + dk])
+                    .iter()
+                    .map(|x| x / (dk as f64).sqrt())
+                    .collect();
+                let key = l2_normalized(&k[key_offset..key_offset + dk]);
+                let value = &v[token_head * dv..(token_head + 1) * dv];
+                let strength = beta[token_head];
+                let mut transition = vec![0.0; dk * dk];
+                for r in 0..dk {
+                    for c in 0..dk {
+                        let identity = if r == c { 1.0 } else { 0.0 };
+                        let decay = g[token_head * dk + c].exp();
+                        transition[r * dk + c] = (identity - strength * key[r] * key[c]) * decay;
+                    }
+                }
+                let write: Vec<f64> = (0..dk * dv)
+                    .map(|index| strength * key[index / dv] * value[index % dv])
+                    .collect();
+                state = matmul(&transition, &state, dk, dk, dv)
+                    .iter()
+                    .zip(&write)
+                    .map(|(kept, written)| kept + written)
+                    .collect();
+                let read = matmul(&query, &state, 1, dk, dv);
+                output[token_head * dv..(token_head + 1) * dv].copy_from_slice(&read);
+            }
+            states[state_range].copy_from_slice(&state);
+        }
+    }
+    Ok((output, states))
+}
+
+fn run(inputs: &RecurrenceInputs) -> Result<(Tensor, Tensor)> {
+    kda_recurrence(
+        &inputs.q,
+        &inputs.k,
+        &inputs.v,
+        &inputs.g,
+        &inputs.beta,
+        &inputs.state,
+    )
+}
+
+fn check_against_reference(inputs: &RecurrenceInputs) -> Result<()> {
+    let sizes = inputs.sizes;
+    let (output, state) = run(inputs)?;
+    assert_eq!(
+        output.dims(),
+        &[
+            sizes.batch,
+            sizes.seq_len,
+            sizes.value_heads,
+            sizes.value_dim
+        ]
+    );
+    assert_eq!(
+        state.dims(),
+        &[
+            sizes.batch,
+            sizes.value_heads,
+            sizes.key_dim,
+            sizes.value_dim
+        ]
+    );
+    assert_eq!(output.dtype(), DType::F32);
+    assert_eq!(state.dtype(), DType::F32);
+    let (expected_output, expected_state) = reference(inputs)?;
+    assert_close(&f32_values(&output)?, &expected_output, 1e-5, 1e-4);
+    assert_close(&f32_values(&state)?, &expected_state, 1e-5, 1e-4);
+    Ok(())
+}
+
+const HF_TEST_SIZES: Sizes = Sizes {
+    batch: 2,
+    seq_len: 13,
+    key_heads: 3,
+    value_heads: 3,
+    key_dim: 8,
+    value_dim: 16,
+};
+
+#[test]
+fn matches_closed_form_reference() -> Result<()> {
+    check_against_reference(&inputs(1, HF_TEST_SIZES, true)?)?;
+    check_against_reference(&inputs(2, HF_TEST_SIZES, false)?)
+}
+
+#[test]
+fn key_dim_may_differ_from_value_dim() -> Result<()> {
+    for (key_dim, value_dim) in [(5, 3), (3, 6)] {
+        let sizes = Sizes {
+            batch: 1,
+            seq_len: 6,
+            key_heads: 2,
+            value_heads: 2,
+            key_dim,
+            value_dim,
+        };
+        check_against_reference(&inputs(3, sizes, false)?)?;
+    }
+    Ok(())
+}
+
+const GROUPED_SIZES: Sizes = Sizes {
+    batch: 2,
+    seq_len: 5,
+    key_heads: 2,
+    value_heads: 4,
+    key_dim: 4,
+    value_dim: 3,
+};
+
+#[test]
+fn grouped_heads_match_reference() -> Result<()> {
+    check_against_reference(&inputs(4, GROUPED_SIZES, false)?)
+}
+
+#[test]
+fn grouped_value_heads_read_key_head_j_over_group_size() -> Result<()> {
+    let original = inputs(5, GROUPED_SIZES, false)?;
+    let (output, _) = run(&original)?;
+    // Replace key head 1; with Hv = 2 Hk only value heads 2 and 3 read it.
+    let Sizes {
+        batch,
+        seq_len,
+        key_dim,
+        ..
+    } = GROUPED_SIZES;
+    let replacement = tensor(
+        Rng::new(6).uniform_vec(batch * seq_len * key_dim, -1.0, 1.0),
+        &[batch, seq_len, 1, key_dim],
+    )?;
+    let changed = RecurrenceInputs {
+        k: original
+            .k
+            .slice_assign(&[0..batch, 0..seq_len, 1..2, 0..key_dim], &replacement)?,
+        ..original
+    };
+    let (changed_output, _) = run(&changed)?;
+    assert_identical(&changed_output.narrow(2, 0, 2)?, &output.narrow(2, 0, 2)?)?;
+    let upper_before = f32_values(&output.narrow(2, 2, 2)?)?;
+    let upper_after = f32_values(&changed_output.narrow(2, 2, 2)?)?;
+    assert!(upper_before
+        .iter()
+        .zip(&upper_after)
+        .all(|(before, after)| before != after));
+    Ok(())
+}
+
+#[test]
+fn split_sequence_with_carried_state_equals_one_call() -> Result<()> {
+    let whole = inputs(7, HF_TEST_SIZES, false)?;
+    let (whole_output, whole_state) = run(&whole)?;
+    for split in [1, 6, 12] {
+        let mut state = whole.state.clone();
+        let mut outputs = Vec::new();
+        for (start, length) in [(0, split), (split, HF_TEST_SIZES.seq_len - split)] {
+            let part = RecurrenceInputs {
+                sizes: Sizes {
+                    seq_len: length,
+                    ..HF_TEST_SIZES
+                },
+                q: whole.q.narrow(1, start, length)?,
+                k: whole.k.narrow(1, start, length)?,
+                v: whole.v.narrow(1, start, length)?,
+                g: whole.g.narrow(1, start, length)?,
+                beta: whole.beta.narrow(1, start, length)?,
+                state,
+            };
+            let (output, next_state) = run(&part)?;
+            outputs.push(output);
+            state = next_state;
+        }
+        assert_identical(&Tensor::cat(&outputs, 1)?, &whole_output)?;
+        assert_identical(&state, &whole_state)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn empty_sequence_keeps_state() -> Result<()> {
+    let inputs = inputs(
+        8,
+        Sizes {
+            seq_len: 0,
+            ..GROUPED_SIZES
+        },
+        false,
+    )?;
+    let (output, state) = run(&inputs)?;
+    assert_eq!(output.dims(), &[2, 0, 4, 3]);
+    assert_identical(&state, &inputs.state)
+}
+
+#[test]
+fn bf16_inputs_are_within_bf16_tolerance_of_f32() -> Result<()> {
+    let original = inputs(9, HF_TEST_SIZES, false)?;
+    let (f32_output, f32_state) = run(&original)?;
+    let half = RecurrenceInputs {
+        q: original.q.to_dtype(DType::BF16)?,
+        k: original.k.to_dtype(DType::BF16)?,
+        v: original.v.to_dtype(DType::BF16)?,
+        ..original
+    };
+    let (output, state) = run(&half)?;
+    assert_eq!(output.dtype(), DType::F32);
+    assert_close(&f32_values(&output)?, &f64_values(&f32_output)?, 2e-2, 2e-2);
+    assert_close(&f32_values(&state)?, &f64_values(&f32_state)?, 2e-2, 2e-2);
+    Ok(())
+}

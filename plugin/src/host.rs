@@ -1,0 +1,168 @@
+//! Thin adapters from the host's model traits to [`BerryLm`].
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{Device, Result, Tensor};
+use mistralrs_core::plugin_api::{
+    AnyMoeBaseModelMixin, DeviceMapper, EitherCache, FlashParams, IsqModel, KvCacheLayout,
+    ModelConfigLike, ModelConfigMetadata, NonGranularState, NormalModel,
+    PagedAttentionInputMetadata, UnVarBuilder,
+};
+use mistralrs_quant::QuantMethod;
+
+use crate::model::{BerryLm, ForwardBatch, PagedKv};
+
+pub struct BerryLmHostModel {
+    model: BerryLm,
+    cache: EitherCache,
+    mapper: Box<dyn DeviceMapper + Send + Sync>,
+    metadata: ModelConfigMetadata,
+}
+
+impl BerryLmHostModel {
+    pub fn new(model: BerryLm, mapper: Box<dyn DeviceMapper + Send + Sync>) -> Result<Self> {
+        let cache = EitherCache::Hybrid(Arc::new(Mutex::new(model.new_cache()?)));
+        let metadata = model_metadata(model.config(), model.config().num_hidden_layers);
+        Ok(BerryLmHostModel {
+            model,
+            cache,
+            mapper,
+            metadata,
+        })
+    }
+
+    pub fn model(&self) -> &BerryLm {
+        &self.model
+    }
+}
+
+/// Host metadata for `num_layers` KV-cached layers.
+pub fn model_metadata(cfg: &crate::config::BerryLmConfig, num_layers: usize) -> ModelConfigMetadata {
+    ModelConfigMetadata {
+        max_seq_len: cfg.max_position_embeddings,
+        num_layers,
+        hidden_size: cfg.hidden_size,
+        num_kv_heads: cfg.num_key_value_heads,
+        num_attn_heads: cfg.num_attention_heads,
+        sliding_window: None,
+        k_head_dim: cfg.head_dim,
+        v_head_dim: cfg.head_dim,
+        kv_cache_layout: KvCacheLayout::Standard,
+    }
+}
+
+impl NormalModel for BerryLmHostModel {
+    fn forward(
+        &self,
+        input_ids: &Tensor,
+        seqlen_offsets: &[usize],
+        context_lens: Vec<(usize, usize)>,
+        position_ids: Vec<usize>,
+        metadata: Option<(Vec<(Tensor, Tensor)>, &PagedAttentionInputMetadata)>,
+        flash_params: &FlashParams,
+    ) -> Result<Tensor> {
+        let (rows, seq_len) = input_ids.dims2()?;
+        // The host passes, per row, the position after its last real token;
+        // rows shorter than the batch are right-padded.
+        let token_counts: Vec<usize> = position_ids
+            .iter()
+            .zip(seqlen_offsets)
+            .map(|(end, start)| end.saturating_sub(*start).clamp(1, seq_len))
+            .collect();
+        if token_counts.len() != rows {
+            candle_core::bail!(
+                "BerryLM forward: {rows} rows but {} position ids",
+                token_counts.len()
+            );
+        }
+        let batch = ForwardBatch {
+            input_ids,
+            seqlen_offsets,
+            token_counts: &token_counts,
+        };
+        let paged = metadata
+            .as_ref()
+            .map(|(blocks, metadata)| PagedKv { blocks, metadata });
+        let hidden = {
+            let mut cache = self.cache.hybrid();
+            self.model
+                .forward_hidden(&batch, &mut cache, paged, flash_params, None)?
+        };
+        // Logits at the requested positions; a single last position means the
+        // row's own last real token.
+        let mut selected = Vec::with_capacity(rows);
+        for (row, (start, len)) in context_lens.into_iter().enumerate() {
+            let (start, len) = if len == 1 {
+                (token_counts[row] - 1, 1)
+            } else {
+                (start, len)
+            };
+            selected.push(hidden.narrow(0, row, 1)?.narrow(1, start, len)?);
+        }
+        self.model.logits(&Tensor::cat(&selected, 0)?)
+    }
+
+    fn xlora_forward(
+        &self,
+        _input_ids: &Tensor,
+        _input_ids_full: &Tensor,
+        _seqlen_offsets: &[usize],
+        _seqlen_offsets_full: &[usize],
+        _no_kv_cache: bool,
+        _non_granular_state: &Option<NonGranularState>,
+        _context_lens: Vec<(usize, usize)>,
+        _position_ids: Vec<usize>,
+        _flash_params: &FlashParams,
+        _flash_params_full: &FlashParams,
+    ) -> Result<Tensor> {
+        candle_core::bail!("BerryLM does not support X-LoRA")
+    }
+
+    fn is_xlora(&self) -> bool {
+        false
+    }
+
+    fn device(&self) -> &Device {
+        self.model.device()
+    }
+
+    fn cache(&self) -> &EitherCache {
+        &self.cache
+    }
+
+    fn cache_mut(&mut self) -> &mut EitherCache {
+        &mut self.cache
+    }
+
+    fn max_seq_len(&self) -> usize {
+        self.model.config().max_position_embeddings
+    }
+
+    fn config(&self) -> &ModelConfigMetadata {
+        &self.metadata
+    }
+
+    /// Paged KV blocks are allocated for the full-attention layers only.
+    fn model_config(&self) -> Arc<dyn ModelConfigLike + Send + Sync> {
+        let cfg = self.model.config();
+        Arc::new(model_metadata(cfg, cfg.num_full_attention_layers()))
+    }
+}
+
+/// In-situ quantization is not supported: BerryLM's layers keep their weights.
+impl IsqModel for BerryLmHostModel {
+    fn get_layers(
+        &mut self,
+    ) -> (
+        Vec<(&mut Arc<dyn QuantMethod>, Option<usize>)>,
+        &dyn DeviceMapper,
+    ) {
+        (Vec::new(), &*self.mapper)
+    }
+
+    fn residual_tensors(&self) -> Vec<(String, Tensor)> {
+        UnVarBuilder::new().to_safetensors()
+    }
+}
+
+impl AnyMoeBaseModelMixin for BerryLmHostModel {}

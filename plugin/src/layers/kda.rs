@@ -1,0 +1,139 @@
+//! KDA linear attention: packed q|k|v short conv with state, a per-channel
+//! forget gate, the gated delta rule in fp32, and a SiLU-gated output norm.
+
+use candle_core::{DType, Module, Result, Tensor};
+use candle_nn::ops::sigmoid;
+
+use crate::config::BerryLmConfig;
+use crate::error::BerryLmError;
+use crate::layers::linear::Linear;
+use crate::weights::Weights;
+
+/// One sequence group's KDA state as the host pool stores it.
+pub struct KdaState {
+    /// `[B, conv_dim, Kc]`: the last `Kc` pre-conv q|k|v columns.
+    pub conv: Tensor,
+    /// `[B, Hv, dk, dv]`, f32.
+    pub recurrent: Tensor,
+}
+
+pub struct Kda {
+    in_proj_qkv: Linear,
+    in_proj_z: Linear,
+    in_proj_b: Linear,
+    f_down_proj: Linear,
+    f_up_proj: Linear,
+    /// `[conv_dim, Kc]`.
+    conv_weight: Tensor,
+    a_log: Tensor,
+    dt_bias: Tensor,
+    norm_weight: Tensor,
+    out_proj: Linear,
+    num_key_heads: usize,
+    num_value_heads: usize,
+    key_head_dim: usize,
+    value_head_dim: usize,
+    gate_lower_bound: Option<f32>,
+    norm_eps: f64,
+}
+
+/// Checkpoints name the KDA module `linear_attn` (transformers) or `kda` (vLLM, llama.cpp).
+const MODULE_NAMES: [&str; 2] = ["linear_attn", "kda"];
+
+impl Kda {
+    pub fn load(layer: &Weights, cfg: &BerryLmConfig) -> crate::error::Result<Kda> {
+        let module_name = MODULE_NAMES
+            .iter()
+            .find(|name| layer.contains(&format!("{name}.in_proj_qkv.weight")))
+            .ok_or_else(|| BerryLmError::Weight {
+                name: layer.full_name("linear_attn.in_proj_qkv.weight"),
+                message: format!(
+                    "missing from the checkpoint (nor found as {})",
+                    layer.full_name("kda.in_proj_qkv.weight")
+                ),
+            })?;
+        let kda = layer.pp(module_name);
+        let hidden = cfg.hidden_size;
+        let conv_dim = cfg.linear_conv_dim();
+        let kernel = cfg.linear_conv_kernel_dim;
+        let gate_dim = cfg.linear_num_value_heads * cfg.linear_key_head_dim;
+        let conv_weight = kda
+            .pp("conv1d")
+            .get((conv_dim, 1, kernel), "weight")?
+            .reshape((conv_dim, kernel))?;
+        Ok(Kda {
+            in_proj_qkv: Linear::load(&kda, "in_proj_qkv", hidden, conv_dim, false)?,
+            in_proj_z: Linear::load(&kda, "in_proj_z", hidden, cfg.linear_value_dim(), false)?,
+            in_proj_b: Linear::load(&kda, "in_proj_b", hidden, cfg.linear_num_value_heads, false)?,
+            f_down_proj: Linear::load(&kda, "f_down_proj", hidden, cfg.kda_gate_bottleneck, false)?,
+            f_up_proj: Linear::load(&kda, "f_up_proj", cfg.kda_gate_bottleneck, gate_dim, false)?,
+            conv_weight,
+            a_log: kda.get(cfg.linear_num_value_heads, "A_log")?,
+            dt_bias: kda.get(gate_dim, "dt_bias")?,
+            norm_weight: kda.pp("norm").get(cfg.linear_value_head_dim, "weight")?,
+            out_proj: Linear::load(&kda, "out_proj", cfg.linear_value_dim(), hidden, false)?,
+            num_key_heads: cfg.linear_num_key_heads,
+            num_value_heads: cfg.linear_num_value_heads,
+            key_head_dim: cfg.linear_key_head_dim,
+            value_head_dim: cfg.linear_value_head_dim,
+            gate_lower_bound: cfg.kda_gate_lower_bound.map(|bound| bound as f32),
+            norm_eps: cfg.rms_norm_eps,
+        })
+    }
+
+    /// `x` `[B, T, hidden]` (already normed) continues the sequences whose state
+    /// is `state`; returns the layer output and leaves the new state in `state`.
+    pub fn forward(&self, x: &Tensor, state: &mut KdaState) -> Result<Tensor> {
+        let (batch, seq_len, _) = x.dims3()?;
+        let dtype = x.dtype();
+        let key_dim = self.num_key_heads * self.key_head_dim;
+        let value_dim = self.num_value_heads * self.value_head_dim;
+
+        let mixed = self.in_proj_qkv.forward(x)?;
+        let z = self.in_proj_z.forward(x)?;
+        let beta = sigmoid(&self.in_proj_b.forward(x)?.to_dtype(DType::F32)?)?;
+        let raw_gate = self.f_up_proj.forward(&self.f_down_proj.forward(x)?)?;
+        let gate = berrylm_kernels::kda_gate(
+            &raw_gate.reshape((batch * seq_len, self.num_value_heads * self.key_head_dim))?,
+            &self.a_log,
+            &self.dt_bias,
+            self.num_value_heads,
+            self.gate_lower_bound,
+        )?
+        .reshape((batch, seq_len, self.num_value_heads, self.key_head_dim))?;
+
+        let conv_state_dtype = state.conv.dtype();
+        let (mixed, conv_state) =
+            berrylm_kernels::causal_conv1d(&mixed, &self.conv_weight, &state.conv.to_dtype(dtype)?)?;
+        state.conv = conv_state.to_dtype(conv_state_dtype)?;
+
+        let q = mixed
+            .narrow(2, 0, key_dim)?
+            .reshape((batch, seq_len, self.num_key_heads, self.key_head_dim))?;
+        let k = mixed
+            .narrow(2, key_dim, key_dim)?
+            .reshape((batch, seq_len, self.num_key_heads, self.key_head_dim))?;
+        let v = mixed
+            .narrow(2, 2 * key_dim, value_dim)?
+            .reshape((batch, seq_len, self.num_value_heads, self.value_head_dim))?;
+        let (out, recurrent) = berrylm_kernels::kda_recurrence(
+            &q,
+            &k,
+            &v,
+            &gate,
+            &beta.reshape((batch, seq_len, self.num_value_heads))?,
+            &state.recurrent,
+        )?;
+        state.recurrent = recurrent;
+
+        let rows = batch * seq_len * self.num_value_heads;
+        let normed = berrylm_kernels::gated_rms_norm(
+            &out.to_dtype(dtype)?.reshape((rows, self.value_head_dim))?,
+            &z.reshape((rows, self.value_head_dim))?,
+            &self.norm_weight,
+            self.norm_eps,
+        )?;
+        self.out_proj
+            .forward(&normed.reshape((batch, seq_len, value_dim))?)
+    }
+}

@@ -1,0 +1,19 @@
+//! BerryLM-OS for mistral.rs: the model, its host cache layout, and its
+//! registration into the host's architecture registry.
+//!
+//! Enable it with the host CLI's `berrylm` feature; the CLI calls [`register`]
+//! before parsing arguments, and `mistralrs serve -m DIR` then serves any
+//! checkpoint whose `config.json` names BerryLM.
+
+pub mod config;
+pub mod error;
+pub mod host;
+pub mod layers;
+pub mod loader;
+pub mod model;
+pub mod registry;
+pub mod weights;
+
+pub use config::BerryLmConfig;
+pub use error::BerryLmError;
+pub use registry::{register, Registry};

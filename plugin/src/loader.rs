@@ -1,0 +1,166 @@
+//! The host loader for BerryLM checkpoints.
+
+use std::collections::HashMap;
+use std::fmt::Debug;
+
+use anyhow::Result;
+use candle_core::DType;
+use mistralrs_core::plugin_api::{
+    AttentionImplementation, AutoDeviceMapParams, DeviceMappedModelLoader, IsqModelLoader,
+    LoraConfig, ModelConfigLike, NormalLoadingMetadata, NormalModel, NormalModelLoader,
+    XLoraConfig, ATTENTION_CHUNK_SIZE,
+};
+use mistralrs_core::matformer::MatformerSliceConfig;
+use mistralrs_core::Ordering;
+use mistralrs_quant::ShardedVarBuilder;
+
+use crate::config::{BerryLmConfig, LayerKind};
+use crate::host::{model_metadata, BerryLmHostModel};
+use crate::model::BerryLm;
+use crate::weights::Weights;
+
+pub struct BerryLmLoader;
+
+impl NormalModelLoader for BerryLmLoader {
+    fn load(
+        &self,
+        config: &str,
+        vb: ShardedVarBuilder,
+        normal_loading_metadata: NormalLoadingMetadata,
+        attention_mechanism: AttentionImplementation,
+    ) -> Result<Box<dyn NormalModel + Send + Sync>> {
+        let cfg = BerryLmConfig::from_json(config)?;
+        let device = normal_loading_metadata.real_device.clone();
+        let weights = Weights::new(vb.set_device(device));
+        let paged = matches!(attention_mechanism, AttentionImplementation::PagedAttention);
+        let model = BerryLm::load(cfg, &weights, paged)?;
+        tracing::info!(
+            "BerryLM: {} layers ({} KDA, {} full attention), {} experts top-{}",
+            model.config().num_hidden_layers,
+            model.config().num_hidden_layers - model.config().num_full_attention_layers(),
+            model.config().num_full_attention_layers(),
+            model.config().num_experts,
+            model.config().num_experts_per_tok
+        );
+        Ok(Box::new(BerryLmHostModel::new(
+            model,
+            normal_loading_metadata.mapper,
+        )?))
+    }
+
+    fn load_xlora(
+        &self,
+        _config: &str,
+        _vb: ShardedVarBuilder,
+        _lora_config: &[((String, String), LoraConfig)],
+        _xlora_config: Option<XLoraConfig>,
+        _xlora_ordering: Ordering,
+        _normal_loading_metadata: NormalLoadingMetadata,
+        _preload_adapters: &Option<HashMap<String, (ShardedVarBuilder, LoraConfig)>>,
+    ) -> Result<Box<dyn NormalModel + Send + Sync>> {
+        anyhow::bail!("BerryLM does not support X-LoRA")
+    }
+
+    fn is_gptx(&self, _config: &str) -> Result<bool> {
+        Ok(true)
+    }
+
+    fn get_config_repr(&self, config: &str) -> Result<Box<dyn Debug>> {
+        Ok(Box::new(BerryLmConfig::from_json(config)?))
+    }
+
+    fn supports_paged_attention(&self, _config: &str) -> Result<bool> {
+        Ok(true)
+    }
+}
+
+impl IsqModelLoader for BerryLmLoader {}
+
+impl DeviceMappedModelLoader for BerryLmLoader {
+    fn mapped_max_act_size_elems(&self, config: &str, params: &AutoDeviceMapParams) -> Result<usize> {
+        let AutoDeviceMapParams::Text {
+            max_seq_len,
+            max_batch_size,
+        } = params
+        else {
+            anyhow::bail!("BerryLM is a text model")
+        };
+        let cfg = BerryLmConfig::from_json(config)?;
+        Ok(max_batch_size * cfg.num_attention_heads * max_seq_len.min(&ATTENTION_CHUNK_SIZE).pow(2))
+    }
+
+    fn non_mapped_max_act_size_elems(
+        &self,
+        _config: &str,
+        _params: &AutoDeviceMapParams,
+    ) -> Result<usize> {
+        Ok(0)
+    }
+
+    fn non_mapped_size_in_bytes(
+        &self,
+        config: &str,
+        dtype: DType,
+        weight_pack_factor: usize,
+        _matformer_config: Option<&MatformerSliceConfig>,
+    ) -> Result<usize> {
+        let cfg = BerryLmConfig::from_json(config)?;
+        let embedding = cfg.vocab_size * cfg.hidden_size / weight_pack_factor;
+        let lm_head = if cfg.tie_word_embeddings { 0 } else { embedding };
+        Ok((embedding + lm_head + cfg.hidden_size) * dtype.size_in_bytes())
+    }
+
+    fn layer_sizes_in_bytes(
+        &self,
+        config: &str,
+        dtype: DType,
+        weight_pack_factor: usize,
+        _matformer_config: Option<&MatformerSliceConfig>,
+    ) -> Result<Vec<usize>> {
+        let cfg = BerryLmConfig::from_json(config)?;
+        let hidden = cfg.hidden_size;
+        let moe = hidden * cfg.num_experts
+            + cfg.num_experts * 3 * hidden * cfg.moe_intermediate_size / weight_pack_factor
+            + 3 * hidden * cfg.shared_expert_intermediate_size / weight_pack_factor
+            + hidden;
+        let norms_and_attn_res = 2 * hidden + if cfg.attn_res_enabled() { hidden + 1 } else { 0 };
+        let sizes = cfg
+            .layer_types
+            .iter()
+            .map(|kind| {
+                let mixer = match kind {
+                    LayerKind::FullAttention => {
+                        let q_rows = cfg.num_attention_heads
+                            * cfg.head_dim
+                            * if cfg.attn_output_gate { 2 } else { 1 };
+                        let kv_rows = cfg.num_key_value_heads * cfg.head_dim;
+                        (q_rows + 2 * kv_rows) * hidden
+                            + cfg.num_attention_heads * cfg.head_dim * hidden
+                            + 2 * cfg.head_dim
+                    }
+                    LayerKind::LinearAttention => {
+                        let gate_dim = cfg.linear_num_value_heads * cfg.linear_key_head_dim;
+                        (cfg.linear_conv_dim() + 2 * cfg.linear_value_dim()) * hidden
+                            + cfg.linear_num_value_heads * hidden
+                            + cfg.kda_gate_bottleneck * (hidden + gate_dim)
+                            + cfg.linear_conv_dim() * cfg.linear_conv_kernel_dim
+                            + gate_dim
+                            + cfg.linear_num_value_heads
+                            + cfg.linear_value_head_dim
+                    }
+                };
+                (mixer + moe + norms_and_attn_res) * dtype.size_in_bytes()
+            })
+            .collect();
+        Ok(sizes)
+    }
+
+    fn num_layers(&self, config: &str) -> Result<usize> {
+        Ok(BerryLmConfig::from_json(config)?.num_hidden_layers)
+    }
+
+    fn model_config(&self, config: &str) -> Result<Box<dyn ModelConfigLike>> {
+        let cfg = BerryLmConfig::from_json(config)?;
+        Ok(Box::new(model_metadata(&cfg, cfg.num_hidden_layers)))
+    }
+}

@@ -1,0 +1,364 @@
+//! The BerryLM decoder: embeddings, the hybrid layer stack with Gated Block
+//! AttnRes on the residual stream, the final norm and the LM head.
+
+use candle_core::{DType, Device, IndexOp, Module, Result, Tensor};
+use mistralrs_core::layers::CausalMasker;
+use mistralrs_core::plugin_api::{
+    FlashParams, HybridCache, HybridCacheConfig, HybridLayerCache, HybridLayerType,
+    PagedAttention, PagedAttentionInputMetadata, PastKvLenCache, RecurrentLayerConfig,
+};
+
+use crate::config::{BerryLmConfig, LayerKind};
+use crate::layers::attention::{AttentionKv, GatedAttention};
+use crate::layers::attn_res::AttnRes;
+use crate::layers::kda::{Kda, KdaState};
+use crate::layers::linear::Linear;
+use crate::layers::moe::SparseMoe;
+use crate::layers::norm::OffsetRmsNorm;
+use crate::layers::rope::PartialRotaryEmbedding;
+use crate::weights::Weights;
+
+enum Mixer {
+    Kda(Kda),
+    Attention(GatedAttention),
+}
+
+struct DecoderLayer {
+    attn_res: Option<AttnRes>,
+    input_layernorm: OffsetRmsNorm,
+    post_attention_layernorm: OffsetRmsNorm,
+    mixer: Mixer,
+    moe: SparseMoe,
+}
+
+/// The sequences of one forward pass. Every row continues its sequence from
+/// the state the cache holds for it; rows are right-padded to the same length.
+pub struct ForwardBatch<'a> {
+    /// `[B, T]` token ids.
+    pub input_ids: &'a Tensor,
+    /// Tokens each sequence has already processed (its position offset).
+    pub seqlen_offsets: &'a [usize],
+    /// Real (unpadded) tokens in each row, each in `1..=T`.
+    pub token_counts: &'a [usize],
+}
+
+/// Paged KV blocks of the attention layers, indexed by attention-layer ordinal.
+pub struct PagedKv<'a> {
+    pub blocks: &'a [(Tensor, Tensor)],
+    pub metadata: &'a PagedAttentionInputMetadata,
+}
+
+pub struct BerryLm {
+    cfg: BerryLmConfig,
+    embed_tokens: Tensor,
+    layers: Vec<DecoderLayer>,
+    norm: OffsetRmsNorm,
+    lm_head: Linear,
+    rope: PartialRotaryEmbedding,
+    device: Device,
+}
+
+impl BerryLm {
+    /// Loads every tensor the model uses (others, e.g. `mtp.*`, are never read).
+    /// With `paged_attention`, attention layers run on the host's paged KV blocks.
+    pub fn load(
+        cfg: BerryLmConfig,
+        weights: &Weights,
+        paged_attention: bool,
+    ) -> crate::error::Result<BerryLm> {
+        let device = weights.device().clone();
+        let model = weights.pp("model");
+        let embed_tokens = model
+            .pp("embed_tokens")
+            .get((cfg.vocab_size, cfg.hidden_size), "weight")?;
+        let lm_head = if cfg.tie_word_embeddings {
+            Linear::new(embed_tokens.clone(), None)
+        } else {
+            Linear::load(weights, "lm_head", cfg.hidden_size, cfg.vocab_size, false)?
+        };
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for (index, kind) in cfg.layer_types.iter().enumerate() {
+            let layer = model.pp("layers").pp(index);
+            let mixer = match kind {
+                LayerKind::LinearAttention => Mixer::Kda(Kda::load(&layer, &cfg)?),
+                LayerKind::FullAttention => {
+                    let paged = if paged_attention {
+                        Some(PagedAttention::new(cfg.head_dim, &device, None)?)
+                    } else {
+                        None
+                    };
+                    Mixer::Attention(GatedAttention::load(&layer, &cfg, paged)?)
+                }
+            };
+            layers.push(DecoderLayer {
+                attn_res: if cfg.attn_res_enabled() {
+                    Some(AttnRes::load(&layer, &cfg)?)
+                } else {
+                    None
+                },
+                input_layernorm: OffsetRmsNorm::load(
+                    &layer,
+                    "input_layernorm",
+                    cfg.hidden_size,
+                    cfg.rms_norm_eps,
+                )?,
+                post_attention_layernorm: OffsetRmsNorm::load(
+                    &layer,
+                    "post_attention_layernorm",
+                    cfg.hidden_size,
+                    cfg.rms_norm_eps,
+                )?,
+                mixer,
+                moe: SparseMoe::load(&layer, &cfg)?,
+            });
+        }
+        let norm = OffsetRmsNorm::load(&model, "norm", cfg.hidden_size, cfg.rms_norm_eps)?;
+        let rope = PartialRotaryEmbedding::new(cfg.rope.theta, cfg.rotary_dim());
+        Ok(BerryLm {
+            cfg,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rope,
+            device,
+        })
+    }
+
+    pub fn config(&self) -> &BerryLmConfig {
+        &self.cfg
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The host cache layout: KV caches for attention layers, recurrent pools
+    /// (packed q|k|v conv state of `Kc` columns, state `[Hv, dk, dv]`) for KDA.
+    pub fn hybrid_cache_config(&self) -> HybridCacheConfig {
+        HybridCacheConfig {
+            layer_types: self
+                .cfg
+                .layer_types
+                .iter()
+                .map(|kind| match kind {
+                    LayerKind::LinearAttention => HybridLayerType::Recurrent,
+                    LayerKind::FullAttention => HybridLayerType::Attention,
+                })
+                .collect(),
+            max_seq_len: self.cfg.max_position_embeddings,
+            recurrent: RecurrentLayerConfig {
+                conv_dim: self.cfg.linear_conv_dim(),
+                conv_width: self.cfg.linear_conv_kernel_dim,
+                state_dims: vec![
+                    self.cfg.linear_num_value_heads,
+                    self.cfg.linear_key_head_dim,
+                    self.cfg.linear_value_head_dim,
+                ],
+            },
+        }
+    }
+
+    /// A fresh host cache for this model. The pools are f32: the recurrent
+    /// state must be (the reference keeps it in fp32), and the conv state holds
+    /// activation-dtype values exactly.
+    pub fn new_cache(&self) -> Result<HybridCache> {
+        HybridCache::new(self.hybrid_cache_config(), DType::F32, &self.device)
+            .map_err(|e| candle_core::Error::Msg(format!("creating the BerryLM cache: {e}")))
+    }
+
+    /// Runs the decoder and returns the final-normed hidden states `[B, T, hidden]`.
+    /// If `layer_outputs` is given, each decoder layer's output is pushed to it.
+    pub fn forward_hidden(
+        &self,
+        batch: &ForwardBatch<'_>,
+        cache: &mut HybridCache,
+        paged: Option<PagedKv<'_>>,
+        flash_params: &FlashParams,
+        mut layer_outputs: Option<&mut Vec<Tensor>>,
+    ) -> Result<Tensor> {
+        let (rows, seq_len) = batch.input_ids.dims2()?;
+        if batch.seqlen_offsets.len() != rows || batch.token_counts.len() != rows {
+            candle_core::bail!(
+                "BerryLM forward: {rows} rows but {} offsets and {} token counts",
+                batch.seqlen_offsets.len(),
+                batch.token_counts.len()
+            );
+        }
+        let hidden = self.cfg.hidden_size;
+        let tokens = rows * seq_len;
+        let mut x = self
+            .embed_tokens
+            .index_select(&batch.input_ids.flatten_all()?, 0)?;
+        let dtype = x.dtype();
+
+        let slots: Vec<u32> = match cache.state_indices() {
+            Some(indices) => indices.to_vec1()?,
+            None => Vec::new(),
+        };
+        let has_kda = self.cfg.layer_types.contains(&LayerKind::LinearAttention);
+        if has_kda && slots.len() != rows {
+            candle_core::bail!(
+                "BerryLM forward: the host gave {} recurrent state slots for {rows} sequences",
+                slots.len()
+            );
+        }
+        if paged.is_none()
+            && self.cfg.num_full_attention_layers() > 0
+            && batch.seqlen_offsets.iter().any(|o| *o != batch.seqlen_offsets[0])
+        {
+            candle_core::bail!(
+                "BerryLM forward: a non-paged batch must share one position offset, got {:?}",
+                batch.seqlen_offsets
+            );
+        }
+
+        let (cos, sin) = self.rotary_tables(batch, seq_len, dtype)?;
+        let mask = self.causal_mask(batch, dtype, paged.as_ref())?;
+
+        let mut committed: Vec<Tensor> = Vec::new();
+        if self.cfg.attn_res_enabled() {
+            committed.push(x.clone());
+        }
+        let mut attention_ordinal = 0;
+        for (index, layer) in self.layers.iter().enumerate() {
+            if let Some(attn_res) = &layer.attn_res {
+                x = attn_res.forward(&committed, &x)?;
+            }
+            let normed = layer
+                .input_layernorm
+                .forward(&x)?
+                .reshape((rows, seq_len, hidden))?;
+            let mixed = match (&layer.mixer, cache.get_mut(index)) {
+                (Mixer::Kda(kda), Some(HybridLayerCache::Recurrent(pool))) => {
+                    run_kda(kda, &normed, batch, &slots, pool)?
+                }
+                (Mixer::Attention(attention), Some(HybridLayerCache::Attention(kv))) => {
+                    let kv = match &paged {
+                        Some(paged) => AttentionKv::Paged {
+                            key_value: paged.blocks[attention_ordinal].clone(),
+                            metadata: paged.metadata,
+                        },
+                        None => AttentionKv::Contiguous(kv),
+                    };
+                    attention_ordinal += 1;
+                    attention.forward(
+                        &normed,
+                        &self.rope,
+                        &cos,
+                        &sin,
+                        mask.as_ref(),
+                        kv,
+                        flash_params,
+                    )?
+                }
+                _ => candle_core::bail!(
+                    "BerryLM forward: the host cache of layer {index} does not match its kind"
+                ),
+            };
+            x = (x + mixed.reshape((tokens, hidden))?)?;
+            let moe_out = layer
+                .moe
+                .forward(&layer.post_attention_layernorm.forward(&x)?)?;
+            x = (x + moe_out)?;
+            if self.cfg.attn_res_enabled() && (index + 1) % self.cfg.attn_res_block_size == 0 {
+                committed.push(x.clone());
+            }
+            if let Some(outputs) = layer_outputs.as_mut() {
+                outputs.push(x.reshape((rows, seq_len, hidden))?);
+            }
+        }
+        self.norm.forward(&x)?.reshape((rows, seq_len, hidden))
+    }
+
+    /// LM head over `[N, hidden]` (or `[B, T, hidden]`).
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        self.lm_head.forward(hidden)
+    }
+
+    fn rotary_tables(
+        &self,
+        batch: &ForwardBatch<'_>,
+        seq_len: usize,
+        dtype: DType,
+    ) -> Result<(Tensor, Tensor)> {
+        let mut cos_rows = Vec::with_capacity(batch.seqlen_offsets.len());
+        let mut sin_rows = Vec::with_capacity(batch.seqlen_offsets.len());
+        for offset in batch.seqlen_offsets {
+            let positions: Vec<usize> = (*offset..offset + seq_len).collect();
+            let (cos, sin) = self.rope.cos_sin(&positions, dtype, &self.device)?;
+            cos_rows.push(cos);
+            sin_rows.push(sin);
+        }
+        Ok((Tensor::stack(&cos_rows, 0)?, Tensor::stack(&sin_rows, 0)?))
+    }
+
+    fn causal_mask(
+        &self,
+        batch: &ForwardBatch<'_>,
+        dtype: DType,
+        paged: Option<&PagedKv<'_>>,
+    ) -> Result<Option<Tensor>> {
+        let offsets: &[usize] = batch.seqlen_offsets;
+        let mask = CausalMasker.make_causal_mask_matrix(
+            batch.input_ids,
+            &offsets as &dyn PastKvLenCache,
+            dtype,
+            self.cfg.num_attention_heads,
+        )?;
+        // The paged kernels mask continuation chunks themselves.
+        Ok(mask.filter(|_| paged.is_none_or(|p| p.metadata.is_first_prompt_chunk)))
+    }
+}
+
+/// Runs a KDA layer on every row, reading and writing each sequence's slot.
+fn run_kda(
+    kda: &Kda,
+    normed: &Tensor,
+    batch: &ForwardBatch<'_>,
+    slots: &[u32],
+    pool: &mut mistralrs_core::plugin_api::RecurrentStatePool,
+) -> Result<Tensor> {
+    let (rows, seq_len, _) = normed.dims3()?;
+    let all_full = batch.token_counts.iter().all(|count| *count == seq_len);
+    let out = if all_full {
+        let indices = Tensor::new(slots, pool.device())?;
+        let mut state = KdaState {
+            conv: pool.gather_conv_state(&indices)?,
+            recurrent: pool.gather_recurrent_state(&indices)?,
+        };
+        let out = kda.forward(normed, &mut state)?;
+        pool.scatter_conv_state(&indices, &state.conv)?;
+        pool.scatter_recurrent_state(&indices, &state.recurrent)?;
+        out
+    } else {
+        // Padded rows: run each sequence on its real tokens only, so padding
+        // never reaches its state; padded outputs are zeros.
+        let mut outputs = Vec::with_capacity(rows);
+        for (row, (&slot, &count)) in slots.iter().zip(batch.token_counts).enumerate() {
+            let index = Tensor::new(&[slot], pool.device())?;
+            let mut state = KdaState {
+                conv: pool.gather_conv_state(&index)?,
+                recurrent: pool.gather_recurrent_state(&index)?,
+            };
+            let row_input = normed.i((row..row + 1, ..count))?;
+            let row_out = kda.forward(&row_input, &mut state)?;
+            pool.scatter_conv_state(&index, &state.conv)?;
+            pool.scatter_recurrent_state(&index, &state.recurrent)?;
+            outputs.push(if count < seq_len {
+                row_out.pad_with_zeros(1, 0, seq_len - count)?
+            } else {
+                row_out
+            });
+        }
+        Tensor::cat(&outputs, 0)?
+    };
+    for ((&slot, &offset), &count) in slots
+        .iter()
+        .zip(batch.seqlen_offsets)
+        .zip(batch.token_counts)
+    {
+        pool.set_seqlen_offset(slot as usize, offset + count);
+    }
+    Ok(out)
+}

@@ -1,0 +1,142 @@
+//! Runs the host CLI (`mistralrs serve`) as a child process on loopback and
+//! talks HTTP/1.1 to it with a minimal std-only client.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+use crate::host_binary;
+
+/// A running `mistralrs serve`; killed when dropped.
+pub struct Server {
+    child: Child,
+    pub port: u16,
+}
+
+fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+impl Server {
+    /// Starts the server on `model_dir` and waits (up to 3 minutes) until it answers.
+    pub fn start(model_dir: &Path, extra_args: &[&str]) -> Result<Server> {
+        let port = free_port()?;
+        let log = std::env::temp_dir().join(format!("berrylm-server-{port}.log"));
+        let log_file = std::fs::File::create(&log)?;
+        let child = Command::new(host_binary()?)
+            .args(["serve", "--host", "127.0.0.1", "--port", &port.to_string(), "-m"])
+            .arg(model_dir)
+            .args(extra_args)
+            .stdout(log_file.try_clone()?)
+            .stderr(log_file)
+            .stdin(Stdio::null())
+            .spawn()
+            .context("starting mistralrs serve")?;
+        let mut server = Server { child, port };
+        let deadline = Instant::now() + Duration::from_secs(180);
+        loop {
+            if let Ok((200, _)) = server.get("/v1/models") {
+                return Ok(server);
+            }
+            if let Some(status) = server.child.try_wait()? {
+                let output = std::fs::read_to_string(&log).unwrap_or_default();
+                bail!("mistralrs serve exited with {status}:\n{output}");
+            }
+            if Instant::now() > deadline {
+                bail!("mistralrs serve did not answer within 3 minutes (log: {})", log.display());
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+
+    fn request(&self, method: &str, path: &str, body: Option<&serde_json::Value>) -> Result<(u16, String)> {
+        let mut stream = TcpStream::connect(("127.0.0.1", self.port))?;
+        stream.set_read_timeout(Some(Duration::from_secs(300)))?;
+        let body = body.map(|b| b.to_string()).unwrap_or_default();
+        write!(
+            stream,
+            "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )?;
+        let mut reader = BufReader::new(stream);
+        let mut status_line = String::new();
+        reader.read_line(&mut status_line)?;
+        let status: u16 = status_line
+            .split_whitespace()
+            .nth(1)
+            .context("no HTTP status")?
+            .parse()?;
+        let mut chunked = false;
+        let mut length: Option<usize> = None;
+        loop {
+            let mut line = String::new();
+            reader.read_line(&mut line)?;
+            let line = line.trim_end();
+            if line.is_empty() {
+                break;
+            }
+            let lower = line.to_ascii_lowercase();
+            if lower.starts_with("transfer-encoding:") && lower.contains("chunked") {
+                chunked = true;
+            }
+            if let Some(value) = lower.strip_prefix("content-length:") {
+                length = value.trim().parse().ok();
+            }
+        }
+        let mut body = Vec::new();
+        if chunked {
+            loop {
+                let mut size_line = String::new();
+                reader.read_line(&mut size_line)?;
+                let size = usize::from_str_radix(size_line.trim(), 16).unwrap_or(0);
+                if size == 0 {
+                    break;
+                }
+                let mut chunk = vec![0; size + 2];
+                reader.read_exact(&mut chunk)?;
+                body.extend_from_slice(&chunk[..size]);
+            }
+        } else if let Some(length) = length {
+            body.resize(length, 0);
+            reader.read_exact(&mut body)?;
+        } else {
+            reader.read_to_end(&mut body)?;
+        }
+        Ok((status, String::from_utf8_lossy(&body).into_owned()))
+    }
+
+    pub fn get(&self, path: &str) -> Result<(u16, serde_json::Value)> {
+        let (status, body) = self.request("GET", path, None)?;
+        Ok((status, serde_json::from_str(&body).unwrap_or(serde_json::Value::String(body))))
+    }
+
+    pub fn post(&self, path: &str, body: &serde_json::Value) -> Result<(u16, serde_json::Value)> {
+        let (status, text) = self.request("POST", path, Some(body))?;
+        Ok((status, serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text))))
+    }
+
+    /// POSTs a streaming request and returns the `data:` payloads of the SSE stream.
+    pub fn post_stream(&self, path: &str, body: &serde_json::Value) -> Result<(u16, Vec<serde_json::Value>)> {
+        let (status, text) = self.request("POST", path, Some(body))?;
+        let events = text
+            .lines()
+            .filter_map(|line| line.strip_prefix("data:"))
+            .map(str::trim)
+            .filter(|data| *data != "[DONE]")
+            .filter_map(|data| serde_json::from_str(data).ok())
+            .collect();
+        Ok((status, events))
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -1,0 +1,56 @@
+//! Every name in registry.toml resolves through the host's loader lookup after
+//! `register()`, and a name the registry does not hold does not.
+
+use anyhow::Result;
+use berrylm::Registry;
+use mistralrs::{ModelDType, TextModelBuilder};
+use mistralrs_core::plugin_api::lookup_normal_loader;
+
+/// Loads a folder holding `config.json` and a tokenizer but no weights through
+/// the host, and returns the error.
+async fn load_error(config: serde_json::Value) -> String {
+    let dir = std::env::temp_dir().join(format!(
+        "berrylm-registration-{}-{}",
+        std::process::id(),
+        config.to_string().len()
+    ));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    std::fs::write(dir.join("config.json"), config.to_string()).expect("write config");
+    let tokenizer_source = berrylm_tests::fixtures_dir().join("tiny-hf/model");
+    for file in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(tokenizer_source.join(file), dir.join(file)).expect("copy tokenizer");
+    }
+    let result = TextModelBuilder::new(dir.display().to_string())
+        .with_dtype(ModelDType::F32)
+        .build()
+        .await;
+    let _ = std::fs::remove_dir_all(&dir);
+    match result {
+        Ok(_) => panic!("a folder without weights loaded"),
+        Err(error) => format!("{error:#}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn registered_names_resolve_and_unknown_names_do_not() -> Result<()> {
+    berrylm::register()?;
+    let registry = Registry::bundled()?;
+    assert_eq!(registry.host.version, "0.8.1");
+    for model_type in &registry.model.model_types {
+        let config = serde_json::json!({ "model_type": model_type });
+        assert!(lookup_normal_loader(&config.to_string()).is_some(), "{model_type}");
+    }
+    for architecture in &registry.model.architectures {
+        let config = serde_json::json!({ "architectures": [architecture] });
+        assert!(lookup_normal_loader(&config.to_string()).is_some(), "{architecture}");
+        // Through the host's automatic loader the model is recognised and the
+        // load proceeds to the files, which this folder does not have.
+        let error = load_error(serde_json::json!({ "architectures": [architecture] })).await;
+        assert!(!error.contains("Unsupported"), "{architecture}: {error}");
+    }
+    let unknown = serde_json::json!({ "architectures": ["NotARealModelForCausalLM"], "model_type": "not_real" });
+    assert!(lookup_normal_loader(&unknown.to_string()).is_none());
+    let error = load_error(unknown).await;
+    assert!(error.contains("NotARealModelForCausalLM"), "{error}");
+    Ok(())
+}

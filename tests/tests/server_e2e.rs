@@ -1,0 +1,74 @@
+//! The host CLI built with the `berrylm` feature serves the bundled trained
+//! model through the OpenAI API (`mistralrs serve -m DIR`).
+
+use anyhow::Result;
+use berrylm_tests::server::Server;
+use berrylm_tests::{fixtures_dir, Fixture};
+
+#[test]
+fn serves_the_bundled_model_and_answers_like_the_reference() -> Result<()> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let server = Server::start(&fixture.model_dir, &["--dtype", "f32"])?;
+
+    let (status, models) = server.get("/v1/models")?;
+    assert_eq!(status, 200, "{models}");
+    let listed = models["data"].as_array().map(Vec::len).unwrap_or(0);
+    assert!(listed >= 1, "no model listed: {models}");
+
+    // "What is 7 + 5?" (golden sequence 0): the reference's greedy completion is
+    // "7 plus 5 is 13.\n</think>\n\n7 + 5 = 13.<|im_end|>".
+    let sequence = &fixture.facts["sequences"][0];
+    let request = serde_json::json!({
+        "model": "default",
+        "messages": sequence["messages"],
+        "temperature": 0.0,
+        "max_tokens": 64,
+    });
+    let (status, response) = server.post("/v1/chat/completions", &request)?;
+    assert_eq!(status, 200, "{response}");
+    let message = &response["choices"][0]["message"];
+    let reference = sequence["greedy_completion_text"].as_str().unwrap_or_default();
+    let (reasoning, rest) = reference.split_once("</think>").unwrap_or(("", reference));
+    let content = rest.trim_end_matches("<|im_end|>");
+    assert_eq!(
+        message["reasoning_content"].as_str().map(str::trim),
+        Some(reasoning.trim()),
+        "{response}"
+    );
+    assert_eq!(message["content"].as_str().map(str::trim), Some(content.trim()), "{response}");
+    Ok(())
+}
+
+/// A config with `model_type: berrylm` and no `architectures` (which the host's
+/// own detection rejects) is served through the registry.
+#[test]
+fn serves_a_checkpoint_identified_by_model_type_alone() -> Result<()> {
+    let source = fixtures_dir().join("tiny-hf/model");
+    let dir = std::env::temp_dir().join(format!("berrylm-model-type-only-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    for entry in std::fs::read_dir(&source)? {
+        let path = entry?.path();
+        if let Some(name) = path.file_name() {
+            std::fs::copy(&path, dir.join(name))?;
+        }
+    }
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(source.join("config.json"))?)?;
+    if let Some(object) = config.as_object_mut() {
+        object.remove("architectures");
+    }
+    std::fs::write(dir.join("config.json"), config.to_string())?;
+    let server = Server::start(&dir, &["--dtype", "f32"])?;
+    let request = serde_json::json!({
+        "model": "default",
+        "prompt": "w10 w11 w12",
+        "temperature": 0.0,
+        "max_tokens": 4,
+    });
+    let (status, response) = server.post("/v1/completions", &request)?;
+    assert_eq!(status, 200, "{response}");
+    assert!(response["choices"][0]["text"].is_string(), "{response}");
+    drop(server);
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}

@@ -1,0 +1,200 @@
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+use anyhow::{bail, Context, Result};
+use xtask::host::{self, Repo};
+use xtask::{cargo, target_dir};
+
+const USAGE: &str = "\
+usage: cargo xtask <command>
+
+commands:
+  prepare                         apply the host seam to the pinned mistral.rs sources (.host/)
+  build [--cuda]                  build the host CLI with the berrylm plugin (release)
+  test                            prepare, build and run every test of the workspace
+  serve [--model DIR] [--port P] [--cuda] [-- HOST_ARGS...]
+                                  build and run `mistralrs serve` on 127.0.0.1 (default model:
+                                  the bundled trained-tiny BerryLM)
+  install [--cuda]                build and install the `mistralrs` binary with berrylm
+";
+
+/// The bundled default model (the trained tiny BerryLM, vendored with the test fixtures).
+const BUNDLED_MODEL: &str = "tests/fixtures/trained-tiny/model";
+
+fn main() -> ExitCode {
+    match run(std::env::args().skip(1).collect()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("xtask: error: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: Vec<String>) -> Result<()> {
+    let (command, rest) = args.split_first().map_or(("help", &[][..]), |(c, r)| (c.as_str(), r));
+    let repo = Repo::locate()?;
+    match command {
+        "prepare" => host::prepare(&repo),
+        "build" => {
+            let options = BuildOptions::parse(rest)?;
+            host::prepare(&repo)?;
+            build_workspace(&repo, &options)
+        }
+        "test" => test(&repo),
+        "serve" => serve(&repo, rest),
+        "install" => install(&repo, &BuildOptions::parse(rest)?),
+        "help" | "--help" | "-h" => {
+            print!("{USAGE}");
+            Ok(())
+        }
+        other => bail!("unknown command `{other}`\n{USAGE}"),
+    }
+}
+
+#[derive(Default)]
+struct BuildOptions {
+    cuda: bool,
+}
+
+impl BuildOptions {
+    fn parse(args: &[String]) -> Result<BuildOptions> {
+        let mut options = BuildOptions::default();
+        for arg in args {
+            match arg.as_str() {
+                "--cuda" => options.cuda = true,
+                other => bail!("unexpected argument `{other}`\n{USAGE}"),
+            }
+        }
+        Ok(options)
+    }
+
+    /// The one feature set every build and test uses, so the host compiles once.
+    /// (Builds also name `--bins --tests`: the same units `cargo test` resolves
+    /// features for, so testing after building recompiles nothing.)
+    fn features(&self) -> String {
+        let mut features = vec!["mistralrs-cli/berrylm"];
+        if self.cuda {
+            features.push("mistralrs-cli/cuda");
+        }
+        features.join(",")
+    }
+}
+
+fn cargo_in(repo: &Repo) -> Command {
+    let mut command = Command::new(cargo());
+    command.current_dir(&repo.root).env("CARGO_TARGET_DIR", target_dir());
+    command
+}
+
+fn run_step(description: &str, command: &mut Command) -> Result<()> {
+    println!("xtask: {description}");
+    let status = command
+        .status()
+        .with_context(|| format!("could not start cargo for: {description} (is Rust installed?)"))?;
+    if !status.success() {
+        bail!("{description} failed ({status})");
+    }
+    Ok(())
+}
+
+fn build_workspace(repo: &Repo, options: &BuildOptions) -> Result<()> {
+    run_step(
+        "building the workspace and the host CLI with berrylm (release; the first build of \
+         mistral.rs takes about 25 minutes on 2 cores)",
+        cargo_in(repo).args([
+            "build",
+            "--release",
+            "--workspace",
+            "--bins",
+            "--tests",
+            "--features",
+            &options.features(),
+        ]),
+    )
+}
+
+fn host_binary() -> PathBuf {
+    target_dir().join("release").join("mistralrs")
+}
+
+fn test(repo: &Repo) -> Result<()> {
+    let options = BuildOptions::default();
+    host::prepare(repo)?;
+    run_step(
+        "testing xtask (the seam tool)",
+        Command::new(cargo())
+            .current_dir(&repo.root)
+            .args(["test", "--manifest-path", "xtask/Cargo.toml"]),
+    )?;
+    build_workspace(repo, &options)?;
+    run_step(
+        "testing the workspace",
+        cargo_in(repo)
+            .env("BERRYLM_HOST_BIN", host_binary())
+            .args([
+                "test",
+                "--release",
+                "--workspace",
+                "--features",
+                &options.features(),
+            ]),
+    )
+}
+
+fn serve(repo: &Repo, args: &[String]) -> Result<()> {
+    let mut model = repo.root.join(BUNDLED_MODEL);
+    let mut port = String::from("1234");
+    let mut options = BuildOptions::default();
+    let mut host_args: Vec<String> = Vec::new();
+    let mut iter = args.iter();
+    while let Some(arg) = iter.next() {
+        match arg.as_str() {
+            "--model" => model = PathBuf::from(iter.next().context("--model needs a folder")?),
+            "--port" => port = iter.next().context("--port needs a number")?.clone(),
+            "--cuda" => options.cuda = true,
+            "--" => {
+                host_args.extend(iter.by_ref().cloned());
+            }
+            other => bail!("unexpected argument `{other}`\n{USAGE}"),
+        }
+    }
+    port.parse::<u16>()
+        .with_context(|| format!("--port {port} is not a port number"))?;
+    check_model_dir(&model)?;
+    host::prepare(repo)?;
+    build_workspace(repo, &options)?;
+    println!("xtask: serving {} on http://127.0.0.1:{port}", model.display());
+    let status = Command::new(host_binary())
+        .args(["serve", "--host", "127.0.0.1", "--port", &port, "-m"])
+        .arg(&model)
+        .args(&host_args)
+        .status()
+        .context("starting the mistralrs binary")?;
+    if !status.success() {
+        bail!("mistralrs serve exited with {status}");
+    }
+    Ok(())
+}
+
+fn check_model_dir(model: &Path) -> Result<()> {
+    if !model.join("config.json").is_file() {
+        bail!("{} is not a model folder (no config.json)", model.display());
+    }
+    Ok(())
+}
+
+fn install(repo: &Repo, options: &BuildOptions) -> Result<()> {
+    host::prepare(repo)?;
+    build_workspace(repo, options)?;
+    let cargo_home = match std::env::var_os("CARGO_HOME") {
+        Some(home) => PathBuf::from(home),
+        None => PathBuf::from(std::env::var_os("HOME").context("HOME is not set")?).join(".cargo"),
+    };
+    let destination = cargo_home.join("bin").join("mistralrs");
+    std::fs::create_dir_all(cargo_home.join("bin"))?;
+    std::fs::copy(host_binary(), &destination)
+        .with_context(|| format!("installing into {}", destination.display()))?;
+    println!("xtask: installed {}", destination.display());
+    Ok(())
+}

@@ -1,0 +1,284 @@
+//! Applies the host seam (`host/seam.toml`) to pristine host crate sources.
+//!
+//! Each edit is located by an anchor that must occur exactly once in the
+//! pristine file. Output files are written only when their content changes, so
+//! re-applying an unchanged seam touches nothing and cargo rebuilds nothing.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+#[derive(Debug, Deserialize)]
+pub struct Seam {
+    pub host_version: String,
+    #[serde(rename = "crate")]
+    pub crates: Vec<SeamCrate>,
+    #[serde(rename = "edit")]
+    pub edits: Vec<Edit>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct SeamCrate {
+    pub name: String,
+    pub new_files: Vec<NewFile>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct NewFile {
+    /// Destination inside the host crate.
+    pub path: String,
+    /// Source, relative to the seam file's folder.
+    pub source: String,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Edit {
+    pub name: String,
+    #[serde(rename = "crate")]
+    pub crate_name: String,
+    pub file: String,
+    pub anchor: String,
+    pub kind: EditKind,
+    pub text: String,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum EditKind {
+    InsertBefore,
+    InsertAfter,
+    Replace,
+}
+
+/// Why the seam could not be applied.
+#[derive(Debug)]
+pub enum SeamError {
+    Anchor {
+        edit: String,
+        crate_name: String,
+        host_version: String,
+        file: String,
+        found: usize,
+        anchor: String,
+    },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    Invalid(String),
+}
+
+impl fmt::Display for SeamError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SeamError::Anchor {
+                edit,
+                crate_name,
+                host_version,
+                file,
+                found,
+                anchor,
+            } => write!(
+                f,
+                "host seam does not fit {crate_name} {host_version}: edit \"{edit}\" expects its anchor \
+                 exactly once in {file}, found it {found} times. The host sources changed; port the \
+                 edit (docs/host-seam.md, \"Porting\"). Anchor:\n{anchor}"
+            ),
+            SeamError::Io { path, source } => write!(f, "{}: {source}", path.display()),
+            SeamError::Invalid(message) => write!(f, "host/seam.toml: {message}"),
+        }
+    }
+}
+
+impl std::error::Error for SeamError {}
+
+fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> SeamError + '_ {
+    move |source| SeamError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+impl Seam {
+    pub fn load(path: &Path) -> Result<Seam, SeamError> {
+        let text = fs::read_to_string(path).map_err(io_error(path))?;
+        toml::from_str(&text).map_err(|e| SeamError::Invalid(e.to_string()))
+    }
+}
+
+/// Applies one edit to `content`, checking that its anchor occurs exactly once.
+pub fn apply_edit(
+    content: &str,
+    edit: &Edit,
+    host_version: &str,
+) -> Result<String, SeamError> {
+    let found = content.matches(edit.anchor.as_str()).count();
+    let start = match content.find(edit.anchor.as_str()) {
+        Some(start) if found == 1 => start,
+        _ => {
+            return Err(SeamError::Anchor {
+                edit: edit.name.clone(),
+                crate_name: edit.crate_name.clone(),
+                host_version: host_version.to_string(),
+                file: edit.file.clone(),
+                found,
+                anchor: edit.anchor.clone(),
+            })
+        }
+    };
+    let end = start + edit.anchor.len();
+    let line_start = content[..start].rfind('\n').map_or(0, |i| i + 1);
+    let line_end = content[end..].find('\n').map_or(content.len(), |i| end + i + 1);
+    let text = edit.text.trim_start_matches('\n');
+    let mut out = String::with_capacity(content.len() + text.len() + 1);
+    match edit.kind {
+        EditKind::Replace => {
+            out.push_str(&content[..start]);
+            out.push_str(text);
+            out.push_str(&content[end..]);
+        }
+        EditKind::InsertBefore => {
+            out.push_str(&content[..line_start]);
+            out.push_str(text);
+            if !text.ends_with('\n') {
+                out.push('\n');
+            }
+            out.push_str(&content[line_start..]);
+        }
+        EditKind::InsertAfter => {
+            out.push_str(&content[..line_end]);
+            if !content[..line_end].ends_with('\n') {
+                out.push('\n');
+            }
+            out.push_str(text);
+            if !text.ends_with('\n') {
+                out.push('\n');
+            }
+            out.push_str(&content[line_end..]);
+        }
+    }
+    Ok(out)
+}
+
+/// What `apply` did.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct ApplyReport {
+    pub files_written: usize,
+    pub edits_applied: usize,
+}
+
+/// Writes `pristine` (one folder per host crate, named like the crate) with the
+/// seam applied into `out` (same layout). `seam_dir` is where new-file sources live.
+pub fn apply(
+    seam: &Seam,
+    seam_dir: &Path,
+    pristine: &BTreeMap<String, PathBuf>,
+    out: &Path,
+) -> Result<ApplyReport, SeamError> {
+    let mut report = ApplyReport::default();
+    for host_crate in &seam.crates {
+        let source_root = pristine.get(&host_crate.name).ok_or_else(|| {
+            SeamError::Invalid(format!("no pristine source for {}", host_crate.name))
+        })?;
+        let out_root = out.join(&host_crate.name);
+        let mut generated: BTreeMap<PathBuf, Vec<u8>> = BTreeMap::new();
+        collect_files(source_root, source_root, &mut generated)?;
+        for edit in seam.edits.iter().filter(|e| e.crate_name == host_crate.name) {
+            let key = PathBuf::from(&edit.file);
+            let bytes = generated.get(&key).ok_or_else(|| SeamError::Anchor {
+                edit: edit.name.clone(),
+                crate_name: edit.crate_name.clone(),
+                host_version: seam.host_version.clone(),
+                file: edit.file.clone(),
+                found: 0,
+                anchor: edit.anchor.clone(),
+            })?;
+            let content = String::from_utf8_lossy(bytes).into_owned();
+            let patched = apply_edit(&content, edit, &seam.host_version)?;
+            generated.insert(key, patched.into_bytes());
+            report.edits_applied += 1;
+        }
+        for new_file in &host_crate.new_files {
+            let source = seam_dir.join(&new_file.source);
+            let bytes = fs::read(&source).map_err(io_error(&source))?;
+            generated.insert(PathBuf::from(&new_file.path), bytes);
+        }
+        for (relative, bytes) in &generated {
+            let target = out_root.join(relative);
+            if fs::read(&target).ok().as_deref() == Some(bytes.as_slice()) {
+                continue;
+            }
+            if let Some(parent) = target.parent() {
+                fs::create_dir_all(parent).map_err(io_error(parent))?;
+            }
+            fs::write(&target, bytes).map_err(io_error(&target))?;
+            report.files_written += 1;
+        }
+    }
+    Ok(report)
+}
+
+fn collect_files(
+    root: &Path,
+    dir: &Path,
+    files: &mut BTreeMap<PathBuf, Vec<u8>>,
+) -> Result<(), SeamError> {
+    for entry in fs::read_dir(dir).map_err(io_error(dir))? {
+        let entry = entry.map_err(io_error(dir))?;
+        let path = entry.path();
+        let file_type = entry.file_type().map_err(io_error(&path))?;
+        if file_type.is_dir() {
+            collect_files(root, &path, files)?;
+        } else if file_type.is_file() {
+            let bytes = fs::read(&path).map_err(io_error(&path))?;
+            let relative = path
+                .strip_prefix(root)
+                .map_err(|e| SeamError::Invalid(e.to_string()))?
+                .to_path_buf();
+            files.insert(relative, bytes);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn edit(anchor: &str, kind: EditKind, text: &str) -> Edit {
+        Edit {
+            name: "test edit".into(),
+            crate_name: "host-crate".into(),
+            file: "src/lib.rs".into(),
+            anchor: anchor.into(),
+            kind,
+            text: text.into(),
+        }
+    }
+
+    #[test]
+    fn inserts_and_replaces_around_the_anchor_line() {
+        let source = "a\n    b();\nc\n";
+        let before = apply_edit(source, &edit("b();", EditKind::InsertBefore, "x"), "1").unwrap();
+        assert_eq!(before, "a\nx\n    b();\nc\n");
+        let after = apply_edit(source, &edit("b();", EditKind::InsertAfter, "y"), "1").unwrap();
+        assert_eq!(after, "a\n    b();\ny\nc\n");
+        let replaced = apply_edit(source, &edit("b()", EditKind::Replace, "d()"), "1").unwrap();
+        assert_eq!(replaced, "a\n    d();\nc\n");
+    }
+
+    #[test]
+    fn a_missing_or_repeated_anchor_names_the_edit_and_host_version() {
+        let missing = apply_edit("a\n", &edit("zzz", EditKind::Replace, ""), "0.8.1").unwrap_err();
+        let message = missing.to_string();
+        assert!(message.contains("\"test edit\""), "{message}");
+        assert!(message.contains("host-crate 0.8.1"), "{message}");
+        assert!(message.contains("found it 0 times"), "{message}");
+        let repeated =
+            apply_edit("b\nb\n", &edit("b", EditKind::Replace, "c"), "0.8.1").unwrap_err();
+        assert!(repeated.to_string().contains("found it 2 times"));
+    }
+}
