@@ -109,3 +109,35 @@ pub fn lookup_normal_loader(config_json: &str) -> Option<Box<dyn NormalModelLoad
         })
         .map(|entry| (entry.factory)())
 }
+
+/// What a model's chat output parser learns about the request it serves.
+pub struct ChatOutputRequest<'a> {
+    /// The rendered prompt (e.g. whether it opened a reasoning block).
+    pub prompt: &'a str,
+    /// The request's tool definitions, with their JSON schemas.
+    pub tools: &'a [crate::Tool],
+}
+
+/// Parts of an assistant message that a chat output parser recognised.
+#[derive(Debug, Clone, Default)]
+pub struct ParsedOutput {
+    pub content: Option<String>,
+    pub reasoning_content: Option<String>,
+    /// Streaming: argument deltas (a call's `id` and `function.name` are set on
+    /// its first delta and empty after). Complete: one entry per call.
+    pub tool_calls: Vec<crate::ToolCallResponse>,
+}
+
+/// A model's own parser of its generated text into content, reasoning and
+/// tool calls. When a model provides one for a request, it replaces the
+/// host's format-sniffing reasoning and tool parsers for that sequence.
+pub trait ChatOutputParser: Send + Sync {
+    /// Streaming: consumes newly generated text, returns what became final.
+    fn push(&mut self, text: &str) -> ParsedOutput;
+    /// Streaming: generation ended; returns whatever was held back.
+    fn finish(&mut self) -> ParsedOutput;
+    /// Non-streaming: the whole generated text as one message.
+    fn parse_complete(&mut self, text: &str) -> ParsedOutput;
+    /// Whether any tool call was recognised so far.
+    fn has_tool_calls(&self) -> bool;
+}

@@ -67,6 +67,15 @@ pub fn attn_res_mix(
     expect_device(OP, "pseudo_query", pseudo_query, device)?;
     match device {
         Device::Cpu => cpu_attn_res_mix(sources, pseudo_query, gate, eps, tokens, hidden),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            // `t = tanh(g)` in f32, rounded to the dtype of x, as on the CPU.
+            let strength = match gate {
+                Some(gate) => Some(round_to_dtype(vec![gate.tanh()], current.dtype())?[0]),
+                None => None,
+            };
+            crate::cuda::attn_res_mix(sources, pseudo_query, strength, eps, tokens, hidden)
+        }
         other => Err(unsupported_device(OP, other)),
     }
 }

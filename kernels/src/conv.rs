@@ -77,6 +77,16 @@ pub fn causal_conv1d(x: &Tensor, weight: &Tensor, state: &Tensor) -> Result<(Ten
     };
     match device {
         Device::Cpu => cpu_causal_conv1d(x, weight, state, &dims),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => crate::cuda::causal_conv1d(
+            x,
+            weight,
+            state,
+            dims.batch,
+            dims.seq_len,
+            dims.channels,
+            dims.kernel_size,
+        ),
         other => Err(unsupported_device(OP, other)),
     }
 }

@@ -56,6 +56,16 @@ pub fn kda_gate(
             head_dim,
             lower_bound,
         ),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => crate::cuda::kda_gate(
+            raw,
+            a_log,
+            dt_bias,
+            tokens,
+            num_heads,
+            head_dim,
+            lower_bound,
+        ),
         other => Err(unsupported_device(OP, other)),
     }
 }

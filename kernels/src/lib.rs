@@ -11,8 +11,11 @@
 //!
 //! Every function validates its arguments (rank, sizes, floating-point
 //! dtypes, one device for all tensors) and then dispatches on the device of
-//! its tensors. Only the CPU is implemented; any other device yields
-//! [`KernelError::UnsupportedDevice`] naming the operation.
+//! its tensors. The CPU is always implemented. With the `cuda` feature, CUDA
+//! tensors run CUDA kernels (`src/cuda/*.cu`, see `CUDA.md`) that compute the
+//! same results with the same rounding points, launched on candle's stream of
+//! the device. Any other device yields [`KernelError::UnsupportedDevice`]
+//! naming the operation.
 //!
 //! Inputs may be `f32`, `bf16` or `f16`. Arithmetic
 //! and accumulation happen in `f32`; where the PyTorch reference rounds an
@@ -30,6 +33,8 @@ use candle_core::{DType, Device, Tensor};
 
 mod attn_res;
 mod conv;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod gate;
 mod norm;
 mod recurrence;

@@ -52,6 +52,8 @@ pub fn gated_rms_norm(x: &Tensor, z: &Tensor, weight: &Tensor, eps: f64) -> Resu
     expect_device(OP, "weight", weight, device)?;
     match device {
         Device::Cpu => cpu_gated_rms_norm(x, z, weight, eps, rows, width),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => crate::cuda::gated_rms_norm(x, z, weight, eps, rows, width),
         other => Err(unsupported_device(OP, other)),
     }
 }

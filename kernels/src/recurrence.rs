@@ -53,6 +53,23 @@ pub fn kda_recurrence(
     let dims = validate(q, k, v, g, beta, state)?;
     match q.device() {
         Device::Cpu => cpu_kda_recurrence(q, k, v, g, beta, state, &dims),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => crate::cuda::kda_recurrence(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            state,
+            &crate::cuda::RecurrenceSizes {
+                batch: dims.batch,
+                seq_len: dims.seq_len,
+                key_heads: dims.key_heads,
+                value_heads: dims.value_heads,
+                key_dim: dims.key_dim,
+                value_dim: dims.value_dim,
+            },
+        ),
         other => Err(unsupported_device(OP, other)),
     }
 }

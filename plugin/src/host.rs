@@ -4,13 +4,14 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{Device, Result, Tensor};
 use mistralrs_core::plugin_api::{
-    AnyMoeBaseModelMixin, DeviceMapper, EitherCache, FlashParams, IsqModel, KvCacheLayout,
-    ModelConfigLike, ModelConfigMetadata, NonGranularState, NormalModel,
-    PagedAttentionInputMetadata, UnVarBuilder,
+    AnyMoeBaseModelMixin, ChatOutputParser, ChatOutputRequest, DeviceMapper, EitherCache,
+    FlashParams, IsqModel, KvCacheLayout, ModelConfigLike, ModelConfigMetadata, NonGranularState,
+    NormalModel, PagedAttentionInputMetadata, UnVarBuilder,
 };
 use mistralrs_quant::QuantMethod;
 
 use crate::model::{BerryLm, ForwardBatch, PagedKv};
+use crate::output_parser::BerryLmOutputParser;
 
 pub struct BerryLmHostModel {
     model: BerryLm,
@@ -75,6 +76,9 @@ impl NormalModel for BerryLmHostModel {
                 token_counts.len()
             );
         }
+        tracing::debug!(
+            "berrylm forward: {rows} sequences x {seq_len} tokens at positions {seqlen_offsets:?}"
+        );
         let batch = ForwardBatch {
             input_ids,
             seqlen_offsets,
@@ -140,6 +144,14 @@ impl NormalModel for BerryLmHostModel {
 
     fn config(&self) -> &ModelConfigMetadata {
         &self.metadata
+    }
+
+    /// BerryLM's reasoning and tool-call parsers (`<think>`, Qwen3-Coder XML calls).
+    fn chat_output_parser(
+        &self,
+        request: &ChatOutputRequest<'_>,
+    ) -> Option<Box<dyn ChatOutputParser>> {
+        Some(Box::new(BerryLmOutputParser::for_request(request)))
     }
 
     /// Paged KV blocks are allocated for the full-attention layers only.

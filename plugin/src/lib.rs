@@ -6,11 +6,13 @@
 //! checkpoint whose `config.json` names BerryLM.
 
 pub mod config;
+pub mod driver;
 pub mod error;
 pub mod host;
 pub mod layers;
 pub mod loader;
 pub mod model;
+pub mod output_parser;
 pub mod registry;
 pub mod weights;
 

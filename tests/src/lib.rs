@@ -4,15 +4,12 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use berrylm::model::{BerryLm, ForwardBatch};
-use berrylm::weights::Weights;
-use berrylm::BerryLmConfig;
+use berrylm::model::BerryLm;
 use candle_core::{DType, Device, Tensor};
-use mistralrs_core::plugin_api::{FlashParams, HybridCache};
-use mistralrs_quant::ShardedSafeTensors;
+
+pub use berrylm::driver::{load_checkpoint, Driver};
 
 pub mod server;
 
@@ -78,93 +75,7 @@ impl Fixture {
     }
 
     pub fn model(&self, dtype: DType) -> Result<BerryLm> {
-        load_model(&self.model_dir, dtype)
-    }
-}
-
-/// Loads a checkpoint folder (single file or shards) on the CPU.
-pub fn load_model(dir: &Path, dtype: DType) -> Result<BerryLm> {
-    let config = std::fs::read_to_string(dir.join("config.json"))?;
-    let cfg = BerryLmConfig::from_json(&config)?;
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)?
-        .filter_map(|entry| entry.ok().map(|e| e.path()))
-        .filter(|path| path.extension().is_some_and(|ext| ext == "safetensors"))
-        .collect();
-    files.sort();
-    // SAFETY: the fixture files are not modified while mapped.
-    let vb = unsafe {
-        ShardedSafeTensors::sharded(&files, dtype, &Device::Cpu, None, Arc::new(|_| true))?
-    };
-    Ok(BerryLm::load(cfg, &Weights::new(vb), false)?)
-}
-
-/// Drives a batch of sequences through the model with the host's hybrid cache,
-/// the way the host's non-paged path does: one recurrent slot per sequence and
-/// the attention KV batched.
-pub struct Driver<'m> {
-    model: &'m BerryLm,
-    cache: HybridCache,
-    offsets: Vec<usize>,
-}
-
-impl<'m> Driver<'m> {
-    pub fn new(model: &'m BerryLm, sequences: usize) -> Result<Driver<'m>> {
-        let mut cache = model.new_cache()?;
-        let mut slots = Vec::with_capacity(sequences);
-        for _ in 0..sequences {
-            let slot = cache.allocate_seq().context("no recurrent slot")?;
-            slots.push(slot as u32);
-        }
-        cache.set_state_indices(Some(Tensor::new(slots.as_slice(), &Device::Cpu)?));
-        Ok(Driver {
-            model,
-            cache,
-            offsets: vec![0; sequences],
-        })
-    }
-
-    /// Feeds one chunk per sequence (all the same length); returns logits `[B, T, vocab]`
-    /// and, if asked, every decoder layer's output.
-    pub fn step(&mut self, chunks: &[&[u32]], layer_outputs: Option<&mut Vec<Tensor>>) -> Result<Tensor> {
-        let len = chunks[0].len();
-        let rows: Vec<Tensor> = chunks
-            .iter()
-            .map(|chunk| Tensor::new(*chunk, &Device::Cpu))
-            .collect::<candle_core::Result<_>>()?;
-        let input_ids = Tensor::stack(&rows, 0)?;
-        let counts = vec![len; chunks.len()];
-        let batch = ForwardBatch {
-            input_ids: &input_ids,
-            seqlen_offsets: &self.offsets,
-            token_counts: &counts,
-        };
-        let hidden = self.model.forward_hidden(
-            &batch,
-            &mut self.cache,
-            None,
-            &FlashParams::empty(true),
-            layer_outputs,
-        )?;
-        for offset in &mut self.offsets {
-            *offset += len;
-        }
-        Ok(self.model.logits(&hidden)?.to_dtype(DType::F32)?)
-    }
-
-    /// Feeds one sequence in chunks of the given sizes; returns `[T, vocab]` logits.
-    pub fn run_chunked(&mut self, ids: &[u32], chunk_sizes: impl IntoIterator<Item = usize>) -> Result<Tensor> {
-        let mut logits = Vec::new();
-        let mut start = 0;
-        for size in chunk_sizes {
-            let end = (start + size).min(ids.len());
-            if start == end {
-                break;
-            }
-            logits.push(self.step(&[&ids[start..end]], None)?.squeeze(0)?);
-            start = end;
-        }
-        anyhow::ensure!(start == ids.len(), "chunk sizes cover {start} of {} tokens", ids.len());
-        Ok(Tensor::cat(&logits, 0)?)
+        load_checkpoint(&self.model_dir, dtype, &Device::Cpu)
     }
 }
 
@@ -196,6 +107,26 @@ pub fn host_binary() -> Result<PathBuf> {
     anyhow::ensure!(
         candidate.is_file(),
         "the host CLI is not built at {}: run `cargo xtask test`",
+        candidate.display()
+    );
+    Ok(candidate)
+}
+
+/// The path of the `berrylm-align` binary built beside the tests (next to the
+/// host CLI; `BERRYLM_ALIGN_BIN` overrides it).
+pub fn align_binary() -> Result<PathBuf> {
+    if let Some(path) = std::env::var_os("BERRYLM_ALIGN_BIN") {
+        return Ok(PathBuf::from(path));
+    }
+    let exe = std::env::current_exe()?;
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .context("test binary has no profile folder")?;
+    let candidate = profile_dir.join("berrylm-align");
+    anyhow::ensure!(
+        candidate.is_file(),
+        "berrylm-align is not built at {}: run `cargo xtask build`",
         candidate.display()
     );
     Ok(candidate)

@@ -15,6 +15,7 @@ use crate::host_binary;
 pub struct Server {
     child: Child,
     pub port: u16,
+    log: std::path::PathBuf,
 }
 
 fn free_port() -> Result<u16> {
@@ -34,20 +35,24 @@ impl Server {
             .stdout(log_file.try_clone()?)
             .stderr(log_file)
             .stdin(Stdio::null())
+            .env("RUST_LOG", "info,berrylm=debug")
             .spawn()
             .context("starting mistralrs serve")?;
-        let mut server = Server { child, port };
+        let mut server = Server { child, port, log };
         let deadline = Instant::now() + Duration::from_secs(180);
         loop {
             if let Ok((200, _)) = server.get("/v1/models") {
                 return Ok(server);
             }
             if let Some(status) = server.child.try_wait()? {
-                let output = std::fs::read_to_string(&log).unwrap_or_default();
+                let output = std::fs::read_to_string(&server.log).unwrap_or_default();
                 bail!("mistralrs serve exited with {status}:\n{output}");
             }
             if Instant::now() > deadline {
-                bail!("mistralrs serve did not answer within 3 minutes (log: {})", log.display());
+                bail!(
+                    "mistralrs serve did not answer within 3 minutes (log: {})",
+                    server.log.display()
+                );
             }
             std::thread::sleep(Duration::from_millis(250));
         }
@@ -108,6 +113,27 @@ impl Server {
             reader.read_to_end(&mut body)?;
         }
         Ok((status, String::from_utf8_lossy(&body).into_owned()))
+    }
+
+    /// What the server logged so far (`info`, and `debug` for berrylm).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Opens a streaming POST, reads its first bytes and drops the connection
+    /// (a client that disconnects mid-stream).
+    pub fn abandon_stream(&self, path: &str, body: &serde_json::Value) -> Result<()> {
+        let mut stream = TcpStream::connect(("127.0.0.1", self.port))?;
+        let body = body.to_string();
+        write!(
+            stream,
+            "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )?;
+        let mut first = [0u8; 64];
+        stream.read_exact(&mut first)?;
+        Ok(())
     }
 
     pub fn get(&self, path: &str) -> Result<(u16, serde_json::Value)> {

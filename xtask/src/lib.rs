@@ -2,6 +2,7 @@
 //! building it with the plugin, testing, serving and installing.
 
 pub mod host;
+pub mod parse;
 pub mod seam;
 
 use std::ffi::OsString;

@@ -16,6 +16,13 @@ commands:
                                   build and run `mistralrs serve` on 127.0.0.1 (default model:
                                   the bundled trained-tiny BerryLM)
   install [--cuda]                build and install the `mistralrs` binary with berrylm
+  parse [--tools FILE] [--no-thinking] [--stream] < OUTPUT
+                                  print the OpenAI assistant message the server returns for a
+                                  raw BerryLM output (--tools: the request's `tools` JSON array)
+  align --model DIR --golden FILE [--dtype f32|bf16|f16] [--device cpu|cuda] [--json OUT]
+        [--dump OUT]              build, then report how closely berrylm reproduces a golden
+                                  file's reference outputs (docs/alignment.md); `--device cuda`
+                                  builds with CUDA
 ";
 
 /// The bundled default model (the trained tiny BerryLM, vendored with the test fixtures).
@@ -44,6 +51,8 @@ fn run(args: Vec<String>) -> Result<()> {
         "test" => test(&repo),
         "serve" => serve(&repo, rest),
         "install" => install(&repo, &BuildOptions::parse(rest)?),
+        "parse" => xtask::parse::run(&xtask::parse::ParseOptions::parse(rest)?),
+        "align" => align(&repo, rest),
         "help" | "--help" | "-h" => {
             print!("{USAGE}");
             Ok(())
@@ -81,17 +90,41 @@ impl BuildOptions {
     }
 }
 
+/// Variables `cargo run` sets for xtask itself. Some build scripts of the
+/// host's dependencies (ring) declare them with `rerun-if-env-changed`, so
+/// passing them on would make this build differ from a plain `cargo build`
+/// and recompile the host whenever the two alternate.
+fn is_cargo_run_variable(name: &str) -> bool {
+    const EXACT: [&str; 8] = [
+        "CARGO_MANIFEST_DIR",
+        "CARGO_MANIFEST_PATH",
+        "CARGO_MANIFEST_LINKS",
+        "CARGO_CRATE_NAME",
+        "CARGO_BIN_NAME",
+        "CARGO_PRIMARY_PACKAGE",
+        "CARGO_RUSTC_CURRENT_DIR",
+        "OUT_DIR",
+    ];
+    EXACT.contains(&name) || name.starts_with("CARGO_PKG_")
+}
+
 fn cargo_in(repo: &Repo) -> Command {
     let mut command = Command::new(cargo());
+    for (name, _) in std::env::vars_os() {
+        if name.to_str().is_some_and(is_cargo_run_variable) {
+            command.env_remove(&name);
+        }
+    }
     command.current_dir(&repo.root).env("CARGO_TARGET_DIR", target_dir());
     command
 }
 
 fn run_step(description: &str, command: &mut Command) -> Result<()> {
     println!("xtask: {description}");
+    let program = command.get_program().to_string_lossy().into_owned();
     let status = command
         .status()
-        .with_context(|| format!("could not start cargo for: {description} (is Rust installed?)"))?;
+        .with_context(|| format!("could not start `{program}` for: {description}"))?;
     if !status.success() {
         bail!("{description} failed ({status})");
     }
@@ -118,9 +151,36 @@ fn host_binary() -> PathBuf {
     target_dir().join("release").join("mistralrs")
 }
 
+/// The OpenAI Python client the end-to-end tests drive the server with.
+const OPENAI_CLIENT: &str = "openai==3.51.0";
+
+/// A venv (beside the target folder cache) with the OpenAI client; returns its python.
+fn python_with_openai_client() -> Result<PathBuf> {
+    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
+    let venv = home.join(".cache/berrylm/venv");
+    let python = venv.join("bin/python");
+    let ready = Command::new(&python)
+        .args(["-c", "import openai"])
+        .output()
+        .is_ok_and(|output| output.status.success());
+    if !ready {
+        run_step(
+            "creating the Python venv for the OpenAI client tests",
+            Command::new("python3").arg("-m").arg("venv").arg(&venv),
+        )
+        .context("python3 with the venv module is needed for the end-to-end tests")?;
+        run_step(
+            &format!("installing {OPENAI_CLIENT} from PyPI"),
+            Command::new(venv.join("bin/pip")).args(["install", "--quiet", OPENAI_CLIENT]),
+        )?;
+    }
+    Ok(python)
+}
+
 fn test(repo: &Repo) -> Result<()> {
     let options = BuildOptions::default();
     host::prepare(repo)?;
+    let python = python_with_openai_client()?;
     run_step(
         "testing xtask (the seam tool)",
         Command::new(cargo())
@@ -132,6 +192,7 @@ fn test(repo: &Repo) -> Result<()> {
         "testing the workspace",
         cargo_in(repo)
             .env("BERRYLM_HOST_BIN", host_binary())
+            .env("BERRYLM_PYTHON", python)
             .args([
                 "test",
                 "--release",
@@ -173,6 +234,33 @@ fn serve(repo: &Repo, args: &[String]) -> Result<()> {
         .context("starting the mistralrs binary")?;
     if !status.success() {
         bail!("mistralrs serve exited with {status}");
+    }
+    Ok(())
+}
+
+/// Builds the workspace (with CUDA for `--device cuda`) and runs the built
+/// `berrylm-align` binary with the arguments unchanged (not `cargo run`, which
+/// could resolve features differently and rebuild the host).
+fn align(repo: &Repo, args: &[String]) -> Result<()> {
+    let mut options = BuildOptions::default();
+    let mut iter = args.iter();
+    while let Some(arg) = iter.next() {
+        let device = match arg.strip_prefix("--device=") {
+            Some(device) => Some(device),
+            None if arg == "--device" => iter.next().map(String::as_str),
+            None => None,
+        };
+        options.cuda |= device == Some("cuda");
+    }
+    host::prepare(repo)?;
+    build_workspace(repo, &options)?;
+    let binary = target_dir().join("release").join("berrylm-align");
+    let status = Command::new(&binary)
+        .args(args)
+        .status()
+        .with_context(|| format!("starting {}", binary.display()))?;
+    if !status.success() {
+        bail!("berrylm-align exited with {status}");
     }
     Ok(())
 }

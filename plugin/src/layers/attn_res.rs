@@ -36,6 +36,11 @@ impl AttnRes {
     pub fn forward(&self, committed: &[Tensor], x: &Tensor) -> Result<Tensor> {
         let mut sources: Vec<Tensor> = committed.to_vec();
         sources.push(x.clone());
-        berrylm_kernels::attn_res_mix(&sources, &self.pseudo_query, self.gate, self.eps)
+        Ok(berrylm_kernels::attn_res_mix(
+            &sources,
+            &self.pseudo_query,
+            self.gate,
+            self.eps,
+        )?)
     }
 }

@@ -1,0 +1,46 @@
+// KDA forget gate (spec 3.6 step 3), elementwise:
+//   g[n, h, c] = -exp(a_log[h]) * softplus(raw[n, h*dk + c] + dt_bias[h*dk + c])
+// with softplus(x) = x above 20, log1p(exp(x)) otherwise, then the optional
+// clamp g = max(g, lower_bound). All in f32, output f32.
+#include "common.cuh"
+
+namespace berrylm::gate {
+
+template <typename T>
+__global__ void kda_gate_kernel(const T* __restrict__ raw, const float* __restrict__ a_log,
+                                const float* __restrict__ dt_bias, float* __restrict__ out,
+                                long long total, int width, int head_dim, int has_lower_bound,
+                                float lower_bound) {
+    const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+    for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+         i += stride) {
+        const int channel = static_cast<int>(i % width);
+        const float x = __fadd_rn(berrylm::to_f32(raw[i]), dt_bias[channel]);
+        const float softplus = x > 20.0f ? x : log1pf(expf(x));
+        const float decay_rate = -expf(a_log[channel / head_dim]);
+        float g = __fmul_rn(decay_rate, softplus);
+        if (has_lower_bound && g < lower_bound) g = lower_bound;
+        out[i] = g;
+    }
+}
+
+}  // namespace berrylm::gate
+
+using namespace berrylm::gate;
+
+extern "C" int berrylm_kda_gate(int raw_dtype, const void* raw, const float* a_log,
+                                const float* dt_bias, float* out, long long tokens, int width,
+                                int head_dim, int has_lower_bound, float lower_bound,
+                                void* stream) {
+    const long long total = tokens * width;
+    if (total == 0) return 0;
+    const int threads = 256;
+    const unsigned int blocks = berrylm::elementwise_blocks(total, threads);
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    BERRYLM_DISPATCH_DTYPE(raw_dtype, T, {
+        kda_gate_kernel<T><<<blocks, threads, 0, s>>>(static_cast<const T*>(raw), a_log, dt_bias,
+                                                      out, total, width, head_dim,
+                                                      has_lower_bound, lower_bound);
+    });
+    return berrylm::launch_status();
+}

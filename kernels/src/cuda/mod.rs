@@ -1,0 +1,599 @@
+//! CUDA implementations of the crate's operations (feature `cuda`).
+//!
+//! The kernels live in `src/cuda/*.cu`; `build.rs` compiles them with nvcc
+//! into the static library `libberrylmkernels.a`, whose C symbols are all
+//! prefixed `berrylm_`. This module binds them and moves candle tensors in and
+//! out: inputs are made contiguous, the small parameter tensors are widened to
+//! `f32` (exact), outputs are allocated uninitialised on the same device, and
+//! every kernel is launched on candle's stream of that device, so the order
+//! with candle's own work is preserved without synchronisation.
+
+use std::ffi::{c_char, c_int, c_void, CStr};
+
+use candle_core::backend::BackendDevice;
+use candle_core::cuda_backend::cudarc::driver::{
+    sys::CUdeviceptr, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop,
+};
+use candle_core::cuda_backend::CudaStorageSlice;
+use candle_core::op::BackpropOp;
+use candle_core::{CudaDevice, CudaStorage, DType, Layout, Shape, Storage, Tensor};
+
+use crate::{invalid_argument, KernelError, Result};
+
+/// Dtype codes understood by the kernels (`berrylm::DTypeCode` in common.cuh).
+const DTYPE_F32: c_int = 0;
+const DTYPE_BF16: c_int = 1;
+const DTYPE_F16: c_int = 2;
+
+/// The most sources `attn_res_mix` takes on CUDA (`kMaxSources` in attn_res.cu).
+pub(crate) const MAX_ATTN_RES_SOURCES: usize = 32;
+
+#[allow(improper_ctypes)]
+extern "C" {
+    fn berrylm_cuda_error_string(code: c_int) -> *const c_char;
+
+    fn berrylm_kda_gate(
+        raw_dtype: c_int,
+        raw: *const c_void,
+        a_log: *const f32,
+        dt_bias: *const f32,
+        out: *mut f32,
+        tokens: i64,
+        width: c_int,
+        head_dim: c_int,
+        has_lower_bound: c_int,
+        lower_bound: f32,
+        stream: *mut c_void,
+    ) -> c_int;
+
+    fn berrylm_causal_conv1d(
+        x_dtype: c_int,
+        state_dtype: c_int,
+        x: *const c_void,
+        weight: *const f32,
+        state: *const c_void,
+        out: *mut c_void,
+        new_state: *mut c_void,
+        batch: c_int,
+        seq_len: c_int,
+        channels: c_int,
+        kernel_size: c_int,
+        stream: *mut c_void,
+    ) -> c_int;
+
+    fn berrylm_kda_recurrence_max_key_dim() -> c_int;
+
+    fn berrylm_kda_recurrence(
+        qkv_dtype: c_int,
+        q: *const c_void,
+        k: *const c_void,
+        v: *const c_void,
+        g: *const f32,
+        beta: *const f32,
+        state_in: *const f32,
+        out: *mut f32,
+        state_out: *mut f32,
+        batch: c_int,
+        seq_len: c_int,
+        key_heads: c_int,
+        value_heads: c_int,
+        key_dim: c_int,
+        value_dim: c_int,
+        stream: *mut c_void,
+    ) -> c_int;
+
+    fn berrylm_attn_res_mix(
+        src_dtype: c_int,
+        out_dtype: c_int,
+        sources: *const *const c_void,
+        num_sources: c_int,
+        query: *const f32,
+        out: *mut c_void,
+        tokens: i64,
+        hidden: c_int,
+        eps: f32,
+        gated: c_int,
+        strength: f32,
+        stream: *mut c_void,
+    ) -> c_int;
+
+    fn berrylm_gated_rms_norm(
+        x_dtype: c_int,
+        z_dtype: c_int,
+        x: *const c_void,
+        z: *const c_void,
+        weight: *const f32,
+        out: *mut c_void,
+        rows: i64,
+        width: c_int,
+        eps: f32,
+        stream: *mut c_void,
+    ) -> c_int;
+}
+
+fn dtype_code(op: &'static str, dtype: DType) -> Result<c_int> {
+    match dtype {
+        DType::F32 => Ok(DTYPE_F32),
+        DType::BF16 => Ok(DTYPE_BF16),
+        DType::F16 => Ok(DTYPE_F16),
+        other => Err(invalid_argument(
+            op,
+            "dtype",
+            format!("dtype {other:?} is not supported"),
+        )),
+    }
+}
+
+/// Turns a kernel launcher's status into a `Result`.
+fn check(op: &'static str, code: c_int) -> Result<()> {
+    if code == 0 {
+        return Ok(());
+    }
+    // SAFETY: cudaGetErrorString returns a static NUL-terminated string.
+    let name = unsafe { CStr::from_ptr(berrylm_cuda_error_string(code)) };
+    Err(KernelError::Candle(candle_core::Error::Msg(format!(
+        "{op}: CUDA kernel launch failed with error {code} ({})",
+        name.to_string_lossy()
+    ))))
+}
+
+/// Fails unless `size` fits the kernels' 32-bit size arguments.
+fn c_size(op: &'static str, arg: &'static str, size: usize) -> Result<c_int> {
+    c_int::try_from(size).map_err(|_| {
+        invalid_argument(
+            op,
+            arg,
+            format!("size {size} is too large for the CUDA kernel"),
+        )
+    })
+}
+
+/// The CUDA device and its (candle) stream, with the device's context bound
+/// to the calling thread for the runtime-API launches.
+struct Launch {
+    device: CudaDevice,
+    stream: std::sync::Arc<CudaStream>,
+}
+
+impl Launch {
+    fn new(device: &CudaDevice) -> Result<Self> {
+        let stream = device.cuda_stream();
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| KernelError::Candle(candle_core::Error::Msg(format!("{e:?}"))))?;
+        Ok(Self {
+            device: device.clone(),
+            stream,
+        })
+    }
+
+    fn raw_stream(&self) -> *mut c_void {
+        self.stream.cu_stream() as *mut c_void
+    }
+
+    /// Uninitialised device storage for `shape` elements of `dtype`.
+    fn alloc(&self, shape: &Shape, dtype: DType) -> Result<CudaStorage> {
+        // SAFETY: every element is written by the kernel before the tensor is
+        // read.
+        Ok(unsafe { self.device.alloc_uninit(shape, dtype)? })
+    }
+}
+
+/// Wraps freshly written device storage into a tensor of `shape`.
+fn into_tensor(storage: CudaStorage, shape: Shape) -> Tensor {
+    Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false)
+}
+
+/// A read lock on a contiguous CUDA tensor's storage.
+struct Input {
+    tensor: Tensor,
+}
+
+impl Input {
+    /// `tensor`, made contiguous (and converted to `dtype` when given).
+    fn new(tensor: &Tensor, dtype: Option<DType>) -> Result<Self> {
+        let tensor = match dtype {
+            Some(dtype) if dtype != tensor.dtype() => tensor.to_dtype(dtype)?,
+            _ => tensor.clone(),
+        };
+        Ok(Self {
+            tensor: tensor.contiguous()?,
+        })
+    }
+
+    fn dtype(&self) -> DType {
+        self.tensor.dtype()
+    }
+}
+
+/// The device address of a contiguous tensor's first element; the returned
+/// guard records the read on `stream` when dropped (after the launch).
+fn input_ptr<'a>(
+    op: &'static str,
+    storage: &'a Storage,
+    layout: &Layout,
+    stream: &'a CudaStream,
+) -> Result<(CUdeviceptr, SyncOnDrop<'a>)> {
+    let Storage::Cuda(storage) = storage else {
+        return Err(invalid_argument(
+            op,
+            "tensor",
+            "expected a CUDA tensor".to_string(),
+        ));
+    };
+    let (base, guard, elem) = match &storage.slice {
+        CudaStorageSlice::F32(s) => {
+            let (p, g) = s.device_ptr(stream);
+            (p, g, 4)
+        }
+        CudaStorageSlice::BF16(s) => {
+            let (p, g) = s.device_ptr(stream);
+            (p, g, 2)
+        }
+        CudaStorageSlice::F16(s) => {
+            let (p, g) = s.device_ptr(stream);
+            (p, g, 2)
+        }
+        _ => {
+            return Err(invalid_argument(
+                op,
+                "tensor",
+                "unsupported dtype".to_string(),
+            ))
+        }
+    };
+    Ok((base + (layout.start_offset() * elem) as CUdeviceptr, guard))
+}
+
+/// The device address of freshly allocated output storage; the guard records
+/// the write on `stream` when dropped.
+fn output_ptr<'a>(
+    storage: &'a mut CudaStorage,
+    stream: &'a CudaStream,
+) -> Result<(CUdeviceptr, SyncOnDrop<'a>)> {
+    Ok(match &mut storage.slice {
+        CudaStorageSlice::F32(s) => s.device_ptr_mut(stream),
+        CudaStorageSlice::BF16(s) => s.device_ptr_mut(stream),
+        CudaStorageSlice::F16(s) => s.device_ptr_mut(stream),
+        _ => {
+            return Err(KernelError::Candle(candle_core::Error::Msg(
+                "unsupported output dtype".to_string(),
+            )))
+        }
+    })
+}
+
+macro_rules! input_ptrs {
+    ($op:expr, $launch:expr, $( $ptr:ident <- $input:expr ),+ $(,)?) => {
+        $(
+            let (storage, layout) = $input.tensor.storage_and_layout();
+            let $ptr = input_ptr($op, &storage, layout, &$launch.stream)?;
+        )+
+    };
+}
+
+fn cuda_device<'a>(op: &'static str, tensor: &'a Tensor) -> Result<&'a CudaDevice> {
+    match tensor.device() {
+        candle_core::Device::Cuda(device) => Ok(device),
+        other => Err(crate::unsupported_device(op, other)),
+    }
+}
+
+/// CUDA `kda_gate`; arguments already validated by the caller.
+pub(crate) fn kda_gate(
+    raw: &Tensor,
+    a_log: &Tensor,
+    dt_bias: &Tensor,
+    tokens: usize,
+    num_heads: usize,
+    head_dim: usize,
+    lower_bound: Option<f32>,
+) -> Result<Tensor> {
+    const OP: &str = "kda_gate";
+    let launch = Launch::new(cuda_device(OP, raw)?)?;
+    let raw = Input::new(raw, None)?;
+    let a_log = Input::new(a_log, Some(DType::F32))?;
+    let dt_bias = Input::new(dt_bias, Some(DType::F32))?;
+    let width = num_heads * head_dim;
+    let shape = Shape::from_dims(&[tokens, num_heads, head_dim]);
+    let mut out = launch.alloc(&shape, DType::F32)?;
+    {
+        input_ptrs!(OP, launch, raw_p <- raw, a_log_p <- a_log, dt_bias_p <- dt_bias);
+        let out_p = output_ptr(&mut out, &launch.stream)?;
+        let (has_lb, lb) = match lower_bound {
+            Some(bound) => (1, bound),
+            None => (0, 0.0),
+        };
+        // SAFETY: the pointers address contiguous device buffers of the sizes
+        // the kernel reads/writes, on the stream passed.
+        let code = unsafe {
+            berrylm_kda_gate(
+                dtype_code(OP, raw.dtype())?,
+                raw_p.0 as *const c_void,
+                a_log_p.0 as *const f32,
+                dt_bias_p.0 as *const f32,
+                out_p.0 as *mut f32,
+                tokens as i64,
+                c_size(OP, "raw", width)?,
+                c_size(OP, "raw", head_dim)?,
+                has_lb,
+                lb,
+                launch.raw_stream(),
+            )
+        };
+        check(OP, code)?;
+    }
+    Ok(into_tensor(out, shape))
+}
+
+/// CUDA `causal_conv1d`; arguments already validated by the caller.
+pub(crate) fn causal_conv1d(
+    x: &Tensor,
+    weight: &Tensor,
+    state: &Tensor,
+    batch: usize,
+    seq_len: usize,
+    channels: usize,
+    kernel_size: usize,
+) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "causal_conv1d";
+    let launch = Launch::new(cuda_device(OP, x)?)?;
+    let x = Input::new(x, None)?;
+    let weight = Input::new(weight, Some(DType::F32))?;
+    let state = Input::new(state, None)?;
+    if batch > 65535 {
+        return Err(invalid_argument(
+            OP,
+            "x",
+            format!("batch size {batch} exceeds the CUDA kernel's 65535"),
+        ));
+    }
+    let out_shape = Shape::from_dims(&[batch, seq_len, channels]);
+    let state_shape = Shape::from_dims(&[batch, channels, kernel_size]);
+    let mut out = launch.alloc(&out_shape, x.dtype())?;
+    let mut new_state = launch.alloc(&state_shape, state.dtype())?;
+    {
+        input_ptrs!(OP, launch, x_p <- x, weight_p <- weight, state_p <- state);
+        let out_p = output_ptr(&mut out, &launch.stream)?;
+        let new_state_p = output_ptr(&mut new_state, &launch.stream)?;
+        // SAFETY: as in `kda_gate`.
+        let code = unsafe {
+            berrylm_causal_conv1d(
+                dtype_code(OP, x.dtype())?,
+                dtype_code(OP, state.dtype())?,
+                x_p.0 as *const c_void,
+                weight_p.0 as *const f32,
+                state_p.0 as *const c_void,
+                out_p.0 as *mut c_void,
+                new_state_p.0 as *mut c_void,
+                c_size(OP, "x", batch)?,
+                c_size(OP, "x", seq_len)?,
+                c_size(OP, "x", channels)?,
+                c_size(OP, "weight", kernel_size)?,
+                launch.raw_stream(),
+            )
+        };
+        check(OP, code)?;
+    }
+    Ok((
+        into_tensor(out, out_shape),
+        into_tensor(new_state, state_shape),
+    ))
+}
+
+/// Sizes of one `kda_recurrence` call.
+pub(crate) struct RecurrenceSizes {
+    pub batch: usize,
+    pub seq_len: usize,
+    pub key_heads: usize,
+    pub value_heads: usize,
+    pub key_dim: usize,
+    pub value_dim: usize,
+}
+
+/// CUDA `kda_recurrence`; arguments already validated by the caller.
+pub(crate) fn kda_recurrence(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    state: &Tensor,
+    sizes: &RecurrenceSizes,
+) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "kda_recurrence";
+    let RecurrenceSizes {
+        batch,
+        seq_len,
+        key_heads,
+        value_heads,
+        key_dim,
+        value_dim,
+    } = *sizes;
+    // SAFETY: a plain query of a constant.
+    let max_key_dim = unsafe { berrylm_kda_recurrence_max_key_dim() } as usize;
+    if key_dim > max_key_dim {
+        return Err(invalid_argument(
+            OP,
+            "q",
+            format!("key dim {key_dim} exceeds the CUDA kernel's maximum {max_key_dim}"),
+        ));
+    }
+    if batch > 65535 || value_heads > 65535 {
+        return Err(invalid_argument(
+            OP,
+            "v",
+            format!("batch {batch} or value heads {value_heads} exceed the CUDA kernel's 65535"),
+        ));
+    }
+    let launch = Launch::new(cuda_device(OP, q)?)?;
+    // q, k and v share one dtype in the kernel; mixed dtypes are widened to
+    // f32 (exact).
+    let qkv_dtype = if q.dtype() == k.dtype() && q.dtype() == v.dtype() {
+        q.dtype()
+    } else {
+        DType::F32
+    };
+    let q = Input::new(q, Some(qkv_dtype))?;
+    let k = Input::new(k, Some(qkv_dtype))?;
+    let v = Input::new(v, Some(qkv_dtype))?;
+    let g = Input::new(g, Some(DType::F32))?;
+    let beta = Input::new(beta, Some(DType::F32))?;
+    let state = Input::new(state, Some(DType::F32))?;
+    let out_shape = Shape::from_dims(&[batch, seq_len, value_heads, value_dim]);
+    let state_shape = Shape::from_dims(&[batch, value_heads, key_dim, value_dim]);
+    let mut out = launch.alloc(&out_shape, DType::F32)?;
+    let mut new_state = launch.alloc(&state_shape, DType::F32)?;
+    {
+        input_ptrs!(OP, launch,
+            q_p <- q, k_p <- k, v_p <- v, g_p <- g, beta_p <- beta, state_p <- state);
+        let out_p = output_ptr(&mut out, &launch.stream)?;
+        let new_state_p = output_ptr(&mut new_state, &launch.stream)?;
+        // SAFETY: as in `kda_gate`.
+        let code = unsafe {
+            berrylm_kda_recurrence(
+                dtype_code(OP, qkv_dtype)?,
+                q_p.0 as *const c_void,
+                k_p.0 as *const c_void,
+                v_p.0 as *const c_void,
+                g_p.0 as *const f32,
+                beta_p.0 as *const f32,
+                state_p.0 as *const f32,
+                out_p.0 as *mut f32,
+                new_state_p.0 as *mut f32,
+                c_size(OP, "q", batch)?,
+                c_size(OP, "q", seq_len)?,
+                c_size(OP, "q", key_heads)?,
+                c_size(OP, "v", value_heads)?,
+                c_size(OP, "q", key_dim)?,
+                c_size(OP, "v", value_dim)?,
+                launch.raw_stream(),
+            )
+        };
+        check(OP, code)?;
+    }
+    Ok((
+        into_tensor(out, out_shape),
+        into_tensor(new_state, state_shape),
+    ))
+}
+
+/// CUDA `attn_res_mix`; arguments already validated by the caller.
+/// `strength` is `round_x(tanh(g))` for the gated variant.
+pub(crate) fn attn_res_mix(
+    sources: &[Tensor],
+    pseudo_query: &Tensor,
+    strength: Option<f32>,
+    eps: f64,
+    tokens: usize,
+    hidden: usize,
+) -> Result<Tensor> {
+    const OP: &str = "attn_res_mix";
+    let current = &sources[sources.len() - 1];
+    if sources.len() > MAX_ATTN_RES_SOURCES {
+        return Err(invalid_argument(
+            OP,
+            "sources",
+            format!(
+                "{} sources exceed the CUDA kernel's maximum {MAX_ATTN_RES_SOURCES}",
+                sources.len()
+            ),
+        ));
+    }
+    let launch = Launch::new(cuda_device(OP, current)?)?;
+    let out_dtype = current.dtype();
+    // Sources of mixed dtypes are all widened to f32 (exact).
+    let src_dtype = if sources.iter().all(|s| s.dtype() == out_dtype) {
+        out_dtype
+    } else {
+        DType::F32
+    };
+    let inputs = sources
+        .iter()
+        .map(|s| Input::new(s, Some(src_dtype)))
+        .collect::<Result<Vec<_>>>()?;
+    let query = Input::new(pseudo_query, Some(DType::F32))?;
+    let shape = Shape::from_dims(&[tokens, hidden]);
+    let mut out = launch.alloc(&shape, out_dtype)?;
+    {
+        let locks = inputs
+            .iter()
+            .map(|input| input.tensor.storage_and_layout())
+            .collect::<Vec<_>>();
+        let source_ptrs = locks
+            .iter()
+            .map(|(storage, layout)| input_ptr(OP, storage, layout, &launch.stream))
+            .collect::<Result<Vec<_>>>()?;
+        let addresses = source_ptrs
+            .iter()
+            .map(|(address, _)| *address as *const c_void)
+            .collect::<Vec<_>>();
+        input_ptrs!(OP, launch, query_p <- query);
+        let out_p = output_ptr(&mut out, &launch.stream)?;
+        // SAFETY: as in `kda_gate`; `addresses` lives across the call.
+        let code = unsafe {
+            berrylm_attn_res_mix(
+                dtype_code(OP, src_dtype)?,
+                dtype_code(OP, out_dtype)?,
+                addresses.as_ptr(),
+                addresses.len() as c_int,
+                query_p.0 as *const f32,
+                out_p.0 as *mut c_void,
+                tokens as i64,
+                c_size(OP, "sources", hidden)?,
+                eps as f32,
+                c_int::from(strength.is_some()),
+                strength.unwrap_or(0.0),
+                launch.raw_stream(),
+            )
+        };
+        check(OP, code)?;
+    }
+    Ok(into_tensor(out, shape))
+}
+
+/// CUDA `gated_rms_norm`; arguments already validated by the caller.
+pub(crate) fn gated_rms_norm(
+    x: &Tensor,
+    z: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+    rows: usize,
+    width: usize,
+) -> Result<Tensor> {
+    const OP: &str = "gated_rms_norm";
+    let launch = Launch::new(cuda_device(OP, x)?)?;
+    let x = Input::new(x, None)?;
+    // z is read in its own dtype when it matches x, else widened to f32.
+    let z_dtype = if z.dtype() == x.dtype() {
+        x.dtype()
+    } else {
+        DType::F32
+    };
+    let z = Input::new(z, Some(z_dtype))?;
+    let weight = Input::new(weight, Some(DType::F32))?;
+    let shape = Shape::from_dims(&[rows, width]);
+    let mut out = launch.alloc(&shape, x.dtype())?;
+    {
+        input_ptrs!(OP, launch, x_p <- x, z_p <- z, weight_p <- weight);
+        let out_p = output_ptr(&mut out, &launch.stream)?;
+        // SAFETY: as in `kda_gate`.
+        let code = unsafe {
+            berrylm_gated_rms_norm(
+                dtype_code(OP, x.dtype())?,
+                dtype_code(OP, z_dtype)?,
+                x_p.0 as *const c_void,
+                z_p.0 as *const c_void,
+                weight_p.0 as *const f32,
+                out_p.0 as *mut c_void,
+                rows as i64,
+                c_size(OP, "x", width)?,
+                eps as f32,
+                launch.raw_stream(),
+            )
+        };
+        check(OP, code)?;
+    }
+    Ok(into_tensor(out, shape))
+}
