@@ -1,0 +1,183 @@
+//! Times the CUDA KDA recurrence through the public `kda_recurrence` at
+//! BerryLM-OS shapes (Hk 16, Hv 32, dk = dv = 128, q/k/v bf16, g/beta/state
+//! f32):
+//!
+//! * decode (T = 1) at batch 1, 4, 8, 16, 32, 64 and 256, reporting the state bytes
+//!   moved (read + write, 2 * B * Hv * dk * dv * 4) per second;
+//! * prefill at T = 512 and 4096 (batch 1) and T = 512 (batch 8), reporting
+//!   tokens per second.
+//!
+//! `BERRYLM_KDA_DECODE_KERNEL=tiles|rows` forces one of the two decode
+//! kernels (default: chosen by batch size), `BERRYLM_KDA_PREFILL_KERNEL=
+//! sequential|chunked` one of the prefill kernels (default: chunked from
+//! T = 64); `--decode-only` / `--prefill-only` print one table.
+//!
+//! Each figure is the mean over many back-to-back calls on candle's stream,
+//! timed with CUDA events around the loop (GPU time, outputs allocated per
+//! call as in the model) and with a host clock after a stream sync.
+//!
+//! `cargo run --release --features cuda --example kernel_bench [-- --quick]`
+
+use std::time::Instant;
+
+use berrylm_kernels::kda_recurrence;
+use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
+use candle_core::{DType, Device, Tensor};
+
+const HK: usize = 16;
+const HV: usize = 32;
+const DK: usize = 128;
+const DV: usize = 128;
+
+struct Inputs {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state: Tensor,
+}
+
+fn inputs(device: &Device, batch: usize, seq_len: usize) -> candle_core::Result<Inputs> {
+    let uniform = |dims: &[usize], lo: f32, hi: f32, dtype: DType| {
+        Tensor::rand(lo, hi, dims, device)?.to_dtype(dtype)
+    };
+    Ok(Inputs {
+        q: uniform(&[batch, seq_len, HK, DK], -1.0, 1.0, DType::BF16)?,
+        k: uniform(&[batch, seq_len, HK, DK], -1.0, 1.0, DType::BF16)?,
+        v: uniform(&[batch, seq_len, HV, DV], -1.0, 1.0, DType::BF16)?,
+        g: uniform(&[batch, seq_len, HV, DK], -1.0, 0.0, DType::F32)?,
+        beta: uniform(&[batch, seq_len, HV], 0.0, 1.0, DType::F32)?,
+        state: uniform(&[batch, HV, DK, DV], -0.5, 0.5, DType::F32)?,
+    })
+}
+
+fn recurrence_call(x: &Inputs) -> candle_core::Result<()> {
+    let (out, state) = kda_recurrence(&x.q, &x.k, &x.v, &x.g, &x.beta, &x.state)?;
+    drop((out, state));
+    Ok(())
+}
+
+/// The copy-bandwidth baseline: a device-to-device copy of the state.
+fn copy_call(x: &Inputs) -> candle_core::Result<()> {
+    drop(x.state.copy()?);
+    Ok(())
+}
+
+/// Mean seconds per call: (GPU time from events, host time after a sync).
+fn time_calls(
+    device: &Device,
+    x: &Inputs,
+    iters: usize,
+    call: fn(&Inputs) -> candle_core::Result<()>,
+) -> candle_core::Result<(f64, f64)> {
+    let Device::Cuda(cuda) = device else {
+        unreachable!()
+    };
+    let stream = cuda.cuda_stream();
+    let call = || call(x);
+    for _ in 0..3 {
+        call()?;
+    }
+    device.synchronize()?;
+    let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    let start_event = stream
+        .record_event(flags)
+        .map_err(candle_core::Error::wrap)?;
+    let start = Instant::now();
+    for _ in 0..iters {
+        call()?;
+    }
+    let end_event = stream
+        .record_event(flags)
+        .map_err(candle_core::Error::wrap)?;
+    device.synchronize()?;
+    let host = start.elapsed().as_secs_f64() / iters as f64;
+    let gpu_ms = start_event
+        .elapsed_ms(&end_event)
+        .map_err(candle_core::Error::wrap)?;
+    Ok((f64::from(gpu_ms) * 1e-3 / iters as f64, host))
+}
+
+fn main() -> candle_core::Result<()> {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let decode_only = std::env::args().any(|a| a == "--decode-only");
+    let prefill_only = std::env::args().any(|a| a == "--prefill-only");
+    let device = Device::new_cuda(0)?;
+    println!("kda_recurrence, Hk={HK} Hv={HV} dk={DK} dv={DV}, q/k/v bf16, g/beta/state f32");
+    // Warm-up (clocks, allocator pools) before anything is timed.
+    {
+        let x = inputs(&device, 64, 1)?;
+        let start = Instant::now();
+        while start.elapsed().as_secs_f64() < 0.5 {
+            for _ in 0..50 {
+                recurrence_call(&x)?;
+            }
+            device.synchronize()?;
+        }
+    }
+    if !prefill_only {
+        decode_table(&device, quick)?;
+    }
+    if decode_only {
+        return Ok(());
+    }
+    println!();
+    println!(
+        "prefill, kernel: {}",
+        std::env::var("BERRYLM_KDA_PREFILL_KERNEL").unwrap_or_else(|_| "auto".to_string())
+    );
+    println!("| batch | T | GPU ms/call | tokens/s (GPU) | host ms/call |");
+    println!("|---:|---:|---:|---:|---:|");
+    for (batch, seq_len) in [(1usize, 512usize), (1, 4096), (8, 512)] {
+        let x = inputs(&device, batch, seq_len)?;
+        let iters = if quick {
+            3
+        } else if seq_len > 1000 {
+            10
+        } else {
+            30
+        };
+        let (gpu, host) = time_calls(&device, &x, iters, recurrence_call)?;
+        println!(
+            "| {batch} | {seq_len} | {:.3} | {:.0} | {:.3} |",
+            gpu * 1e3,
+            (batch * seq_len) as f64 / gpu,
+            host * 1e3
+        );
+    }
+    Ok(())
+}
+
+fn decode_table(device: &Device, quick: bool) -> candle_core::Result<()> {
+    println!();
+    println!(
+        "decode (T = 1), kernel: {}; state bytes = 2 * B * Hv * dk * dv * 4 (read + write)",
+        std::env::var("BERRYLM_KDA_DECODE_KERNEL").unwrap_or_else(|_| "auto".to_string())
+    );
+    println!(
+        "| batch | state MiB (r+w) | GPU us/call | GB/s (GPU) | host us/call | GB/s (host) | copy GB/s |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|");
+    for batch in [1usize, 4, 8, 16, 32, 64, 256] {
+        let x = inputs(device, batch, 1)?;
+        let bytes = 2.0 * (batch * HV * DK * DV * 4) as f64;
+        let iters = if quick {
+            20
+        } else {
+            (2000 / batch).clamp(50, 1000)
+        };
+        let (gpu, host) = time_calls(device, &x, iters, recurrence_call)?;
+        let (copy, _) = time_calls(device, &x, iters, copy_call)?;
+        println!(
+            "| {batch} | {:.1} | {:.1} | {:.0} | {:.1} | {:.0} | {:.0} |",
+            bytes / (1 << 20) as f64,
+            gpu * 1e6,
+            bytes / gpu * 1e-9,
+            host * 1e6,
+            bytes / host * 1e-9,
+            bytes / copy * 1e-9
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,817 @@
+//! Every CUDA kernel against its CPU reference on the same random inputs, at
+//! BerryLM-OS shapes (hidden 2048, Hk 16, Hv 32, dk = dv = 128, conv kernel 4,
+//! conv_dim 8192) and at small odd shapes, in f32 (tight tolerance) and in
+//! bf16/f16 (a rounding step of the output dtype), plus chained calls that
+//! carry the conv and recurrent states.
+//!
+//! Needs a CUDA GPU: `cargo test --release --features cuda --test cuda`.
+#![cfg(feature = "cuda")]
+
+#[allow(dead_code)]
+#[path = "kernels/common.rs"]
+mod common;
+
+use berrylm_kernels::{
+    attn_res_mix, causal_conv1d, gated_rms_norm, kda_gate, kda_recurrence, KernelError, Result,
+};
+use std::sync::OnceLock;
+
+use candle_core::{DType, Device, Tensor};
+
+use common::{f32_values, tensor, Rng};
+
+const HIDDEN: usize = 2048;
+const HK: usize = 16;
+const HV: usize = 32;
+const DK: usize = 128;
+const DV: usize = 128;
+const CONV_K: usize = 4;
+const CONV_DIM: usize = 2 * HK * DK + HV * DV;
+
+/// One CUDA device shared by every test (tensors of two `Device::new_cuda`
+/// handles count as different devices).
+fn gpu() -> Device {
+    static DEVICE: OnceLock<Device> = OnceLock::new();
+    DEVICE
+        .get_or_init(|| Device::new_cuda(0).expect("a CUDA device is required for these tests"))
+        .clone()
+}
+
+fn to_gpu(tensor: &Tensor, device: &Device) -> Result<Tensor> {
+    Ok(tensor.to_device(device)?)
+}
+
+/// A CPU tensor of `dtype` with uniform values in `[low, high)`.
+fn random(rng: &mut Rng, dims: &[usize], low: f32, high: f32, dtype: DType) -> Result<Tensor> {
+    let len: usize = dims.iter().product();
+    Ok(tensor(rng.uniform_vec(len, low, high), dims)?.to_dtype(dtype)?)
+}
+
+/// Tolerance of a comparison: `|got - want| <= atol * max|want| + rtol * |want|`.
+#[derive(Clone, Copy)]
+struct Tol {
+    atol: f64,
+    rtol: f64,
+}
+
+/// For f32 outputs: agreement up to summation order.
+const TIGHT: Tol = Tol {
+    atol: 1e-5,
+    rtol: 1e-4,
+};
+
+/// For outputs in `dtype`: two rounding steps of that dtype at the value,
+/// or one at the largest magnitude of the result (the rounded intermediates,
+/// e.g. AttnRes's `mix - x` or the norm's `n` and `w * n`, can flip by one
+/// step when the f32 sums before them differ in their last bit).
+fn output_tol(dtype: DType) -> Tol {
+    match dtype {
+        DType::BF16 => Tol {
+            atol: 8e-3,
+            rtol: 1.6e-2,
+        },
+        DType::F16 => Tol {
+            atol: 1e-3,
+            rtol: 2e-3,
+        },
+        _ => TIGHT,
+    }
+}
+
+/// Compares a CUDA result with the CPU reference: same shape and dtype, and
+/// values within `tol`. Returns the number of elements that differ at all.
+fn compare(what: &str, cuda: &Tensor, cpu: &Tensor, tol: Tol) -> Result<usize> {
+    assert_eq!(cuda.dims(), cpu.dims(), "{what}: shapes differ");
+    assert_eq!(cuda.dtype(), cpu.dtype(), "{what}: dtypes differ");
+    assert!(cuda.device().is_cuda(), "{what}: result is not on the GPU");
+    let got = f32_values(&cuda.to_device(&Device::Cpu)?)?;
+    let want = f32_values(cpu)?;
+    let scale = want.iter().fold(0f64, |m, &v| m.max(f64::from(v).abs()));
+    let mut differing = 0;
+    let mut worst = (0usize, 0f64);
+    for (index, (&g, &w)) in got.iter().zip(&want).enumerate() {
+        if g.to_bits() != w.to_bits() {
+            differing += 1;
+        }
+        let error = (f64::from(g) - f64::from(w)).abs();
+        let allowed = tol.atol * scale + tol.rtol * f64::from(w).abs();
+        let within = error <= allowed || (g.is_nan() && w.is_nan());
+        if !within {
+            panic!(
+                "{what}: element {index}: cuda {g}, cpu {w} (error {error:e}, allowed {allowed:e}, scale {scale:e})"
+            );
+        }
+        if error > worst.1 {
+            worst = (index, error);
+        }
+    }
+    eprintln!(
+        "{what}: {} elements, {differing} differ, max error {:e} (scale {scale:e})",
+        want.len(),
+        worst.1
+    );
+    if matches!(cpu.dtype(), DType::BF16 | DType::F16) {
+        // Rounding flips are rare; a systematic error would touch many.
+        assert!(
+            differing <= want.len() / 50 + 2,
+            "{what}: {differing} of {} half-precision values differ",
+            want.len()
+        );
+    }
+    Ok(differing)
+}
+
+/// Asserts bit-identical values (same shape and dtype).
+fn identical(what: &str, cuda: &Tensor, cpu: &Tensor) -> Result<()> {
+    assert_eq!(compare(what, cuda, cpu, TIGHT)?, 0, "{what}: values differ");
+    Ok(())
+}
+
+// ---------------------------------------------------------------- kda_gate
+
+fn gate_case(seed: u64, tokens: usize, heads: usize, dk: usize, dtype: DType) -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng::new(seed);
+    let raw = random(&mut rng, &[tokens, heads * dk], -8.0, 25.0, dtype)?;
+    let a_log = random(&mut rng, &[heads], -2.0, 2.0, DType::F32)?;
+    let dt_bias = random(&mut rng, &[heads * dk], -1.0, 1.0, DType::F32)?;
+    for lower_bound in [None, Some(-5.0f32)] {
+        let cpu = kda_gate(&raw, &a_log, &dt_bias, heads, lower_bound)?;
+        let cuda = kda_gate(
+            &to_gpu(&raw, &dev)?,
+            &to_gpu(&a_log, &dev)?,
+            &to_gpu(&dt_bias, &dev)?,
+            heads,
+            lower_bound,
+        )?;
+        let what = format!("kda_gate N={tokens} Hv={heads} dk={dk} {dtype:?} lb={lower_bound:?}");
+        compare(
+            &what,
+            &cuda,
+            &cpu,
+            Tol {
+                atol: 1e-6,
+                rtol: 1e-5,
+            },
+        )?;
+    }
+    Ok(())
+}
+
+#[test]
+fn gate_matches_cpu_at_model_shapes() -> Result<()> {
+    for (i, tokens) in [1, 64, 200].into_iter().enumerate() {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            gate_case(10 + i as u64, tokens, HV, DK, dtype)?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn gate_matches_cpu_at_odd_shape() -> Result<()> {
+    gate_case(20, 7, 4, 12, DType::F32)?;
+    gate_case(21, 7, 4, 12, DType::BF16)?;
+    // Parameters in bf16 are widened exactly.
+    let dev = gpu();
+    let mut rng = Rng::new(22);
+    let raw = random(&mut rng, &[5, 24], -4.0, 4.0, DType::BF16)?;
+    let a_log = random(&mut rng, &[2], -1.0, 1.0, DType::BF16)?;
+    let dt_bias = random(&mut rng, &[24], -1.0, 1.0, DType::BF16)?;
+    let cpu = kda_gate(&raw, &a_log, &dt_bias, 2, None)?;
+    let cuda = kda_gate(
+        &to_gpu(&raw, &dev)?,
+        &to_gpu(&a_log, &dev)?,
+        &to_gpu(&dt_bias, &dev)?,
+        2,
+        None,
+    )?;
+    compare(
+        "kda_gate bf16 params",
+        &cuda,
+        &cpu,
+        Tol {
+            atol: 1e-6,
+            rtol: 1e-5,
+        },
+    )?;
+    Ok(())
+}
+
+// ----------------------------------------------------------- causal_conv1d
+
+struct ConvCase {
+    batch: usize,
+    seq_len: usize,
+    channels: usize,
+    kernel: usize,
+    x_dtype: DType,
+    state_dtype: DType,
+}
+
+fn conv_case(seed: u64, case: &ConvCase) -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng::new(seed);
+    let ConvCase {
+        batch,
+        seq_len,
+        channels,
+        kernel,
+        x_dtype,
+        state_dtype,
+    } = *case;
+    let x = random(&mut rng, &[batch, seq_len, channels], -2.0, 2.0, x_dtype)?;
+    let weight = random(&mut rng, &[channels, kernel], -0.6, 0.6, x_dtype)?;
+    let state = random(&mut rng, &[batch, channels, kernel], -2.0, 2.0, state_dtype)?;
+    let (out_cpu, state_cpu) = causal_conv1d(&x, &weight, &state)?;
+    let (out_cuda, state_cuda) = causal_conv1d(
+        &to_gpu(&x, &dev)?,
+        &to_gpu(&weight, &dev)?,
+        &to_gpu(&state, &dev)?,
+    )?;
+    let what = format!(
+        "causal_conv1d B={batch} T={seq_len} C={channels} K={kernel} x={x_dtype:?} state={state_dtype:?}"
+    );
+    compare(&what, &out_cuda, &out_cpu, output_tol(x_dtype))?;
+    identical(&format!("{what} new state"), &state_cuda, &state_cpu)?;
+    Ok(())
+}
+
+#[test]
+fn conv_matches_cpu_at_model_shapes() -> Result<()> {
+    let mut seed = 100;
+    for batch in [1, 8] {
+        for seq_len in [1, 3, 64, 200] {
+            for dtype in [DType::F32, DType::BF16] {
+                seed += 1;
+                conv_case(
+                    seed,
+                    &ConvCase {
+                        batch,
+                        seq_len,
+                        channels: CONV_DIM,
+                        kernel: CONV_K,
+                        x_dtype: dtype,
+                        state_dtype: dtype,
+                    },
+                )?;
+            }
+        }
+    }
+    // Decode at a large batch.
+    conv_case(
+        99,
+        &ConvCase {
+            batch: 64,
+            seq_len: 1,
+            channels: CONV_DIM,
+            kernel: CONV_K,
+            x_dtype: DType::BF16,
+            state_dtype: DType::BF16,
+        },
+    )?;
+    Ok(())
+}
+
+#[test]
+fn conv_matches_cpu_at_odd_shapes_and_dtypes() -> Result<()> {
+    let channels = 2 * 2 * 12 + 4 * 24;
+    let mut seed = 200;
+    for kernel in [2, 3, 4, 5] {
+        for seq_len in [1, 2, 3, 7, 130] {
+            for (x_dtype, state_dtype) in [
+                (DType::F32, DType::F32),
+                (DType::BF16, DType::BF16),
+                (DType::F16, DType::F16),
+                (DType::BF16, DType::F32),
+                (DType::F32, DType::BF16),
+            ] {
+                seed += 1;
+                conv_case(
+                    seed,
+                    &ConvCase {
+                        batch: 3,
+                        seq_len,
+                        channels,
+                        kernel,
+                        x_dtype,
+                        state_dtype,
+                    },
+                )?;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn conv_chained_calls_carry_the_state() -> Result<()> {
+    let dev = gpu();
+    for dtype in [DType::F32, DType::BF16] {
+        let mut rng = Rng::new(300);
+        let (batch, channels) = (2, CONV_DIM);
+        let weight = random(&mut rng, &[channels, CONV_K], -0.6, 0.6, dtype)?;
+        let weight_gpu = to_gpu(&weight, &dev)?;
+        let mut state_cpu = Tensor::zeros((batch, channels, CONV_K), dtype, &Device::Cpu)?;
+        let mut state_gpu = to_gpu(&state_cpu, &dev)?;
+        for (step, seq_len) in [2, 1, 1, 1, 70, 1, 3].into_iter().enumerate() {
+            let x = random(&mut rng, &[batch, seq_len, channels], -2.0, 2.0, dtype)?;
+            let (out_cpu, next_cpu) = causal_conv1d(&x, &weight, &state_cpu)?;
+            let (out_gpu, next_gpu) = causal_conv1d(&to_gpu(&x, &dev)?, &weight_gpu, &state_gpu)?;
+            let what = format!("conv chain {dtype:?} step {step} T={seq_len}");
+            compare(&what, &out_gpu, &out_cpu, output_tol(dtype))?;
+            identical(&format!("{what} state"), &next_gpu, &next_cpu)?;
+            state_cpu = next_cpu;
+            state_gpu = next_gpu;
+        }
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------- kda_recurrence
+
+#[derive(Clone, Copy)]
+struct RecSizes {
+    batch: usize,
+    seq_len: usize,
+    hk: usize,
+    hv: usize,
+    dk: usize,
+    dv: usize,
+}
+
+struct RecInputs {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+}
+
+fn rec_inputs(rng: &mut Rng, s: RecSizes, qkv: DType, g_low: f32) -> Result<RecInputs> {
+    let RecSizes {
+        batch: b,
+        seq_len: t,
+        hk,
+        hv,
+        dk,
+        dv,
+    } = s;
+    Ok(RecInputs {
+        q: random(rng, &[b, t, hk, dk], -1.0, 1.0, qkv)?,
+        k: random(rng, &[b, t, hk, dk], -1.0, 1.0, qkv)?,
+        v: random(rng, &[b, t, hv, dv], -1.0, 1.0, qkv)?,
+        g: random(rng, &[b, t, hv, dk], g_low, 0.0, DType::F32)?,
+        beta: random(rng, &[b, t, hv], 0.0, 1.0, DType::F32)?,
+    })
+}
+
+fn rec_state(rng: &mut Rng, s: RecSizes, fresh: bool) -> Result<Tensor> {
+    let dims = [s.batch, s.hv, s.dk, s.dv];
+    if fresh {
+        Ok(Tensor::zeros(&dims, DType::F32, &Device::Cpu)?)
+    } else {
+        random(rng, &dims, -0.5, 0.5, DType::F32)
+    }
+}
+
+/// Runs one recurrence call on both devices and compares; returns the states.
+fn rec_step(
+    what: &str,
+    inputs: &RecInputs,
+    state_cpu: &Tensor,
+    state_gpu: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let dev = gpu();
+    let (o_cpu, s_cpu) = kda_recurrence(
+        &inputs.q,
+        &inputs.k,
+        &inputs.v,
+        &inputs.g,
+        &inputs.beta,
+        state_cpu,
+    )?;
+    let (o_gpu, s_gpu) = kda_recurrence(
+        &to_gpu(&inputs.q, &dev)?,
+        &to_gpu(&inputs.k, &dev)?,
+        &to_gpu(&inputs.v, &dev)?,
+        &to_gpu(&inputs.g, &dev)?,
+        &to_gpu(&inputs.beta, &dev)?,
+        state_gpu,
+    )?;
+    compare(&format!("{what} output"), &o_gpu, &o_cpu, TIGHT)?;
+    compare(&format!("{what} state"), &s_gpu, &s_cpu, TIGHT)?;
+    Ok((s_cpu, s_gpu))
+}
+
+fn rec_case(seed: u64, s: RecSizes, qkv: DType, fresh: bool, g_low: f32) -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng::new(seed);
+    let state = rec_state(&mut rng, s, fresh)?;
+    let inputs = rec_inputs(&mut rng, s, qkv, g_low)?;
+    let what = format!(
+        "kda_recurrence B={} T={} Hk={} Hv={} dk={} dv={} {qkv:?} fresh={fresh} g>={g_low}",
+        s.batch, s.seq_len, s.hk, s.hv, s.dk, s.dv
+    );
+    rec_step(&what, &inputs, &state, &to_gpu(&state, &dev)?)?;
+    Ok(())
+}
+
+fn model(batch: usize, seq_len: usize) -> RecSizes {
+    RecSizes {
+        batch,
+        seq_len,
+        hk: HK,
+        hv: HV,
+        dk: DK,
+        dv: DV,
+    }
+}
+
+#[test]
+fn recurrence_decode_matches_cpu_at_model_shapes() -> Result<()> {
+    for (i, batch) in [1, 8, 64].into_iter().enumerate() {
+        for qkv in [DType::F32, DType::BF16] {
+            rec_case(400 + i as u64, model(batch, 1), qkv, false, -1.0)?;
+        }
+    }
+    rec_case(410, model(8, 1), DType::BF16, true, -1.0)?;
+    Ok(())
+}
+
+#[test]
+fn recurrence_prefill_matches_cpu_at_model_shapes() -> Result<()> {
+    for (i, seq_len) in [3, 64, 200].into_iter().enumerate() {
+        for qkv in [DType::F32, DType::BF16] {
+            rec_case(500 + i as u64, model(1, seq_len), qkv, i == 0, -1.0)?;
+        }
+    }
+    rec_case(510, model(2, 64), DType::BF16, false, -1.0)?;
+    // Strong decay (trained gates reach far below -1).
+    rec_case(511, model(1, 64), DType::F32, false, -30.0)?;
+    Ok(())
+}
+
+/// Around the chunked prefill's chunk size (64) and threshold, with gates
+/// from nearly no decay to decay far below f32's exp range.
+#[test]
+fn recurrence_prefill_chunk_boundaries_and_extreme_gates() -> Result<()> {
+    let mut seed = 550;
+    let small = |batch, seq_len| RecSizes {
+        batch,
+        seq_len,
+        hk: 2,
+        hv: 4,
+        dk: DK,
+        dv: DV,
+    };
+    for seq_len in [63, 64, 65, 127, 128, 129] {
+        seed += 1;
+        rec_case(seed, small(2, seq_len), DType::BF16, false, -1.0)?;
+    }
+    for g_low in [-1e-3, -5.0, -300.0] {
+        seed += 1;
+        rec_case(seed, small(1, 150), DType::F32, false, g_low)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn recurrence_matches_cpu_at_odd_shapes() -> Result<()> {
+    let mut seed = 600;
+    for (hk, hv, dk, dv) in [
+        (2, 4, 12, 24),
+        (2, 4, 12, 40),
+        (1, 2, 200, 8),
+        (3, 3, 65, 33),
+    ] {
+        for seq_len in [1, 5, 70] {
+            for qkv in [DType::F32, DType::BF16, DType::F16] {
+                seed += 1;
+                let s = RecSizes {
+                    batch: 2,
+                    seq_len,
+                    hk,
+                    hv,
+                    dk,
+                    dv,
+                };
+                rec_case(seed, s, qkv, false, -1.0)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn recurrence_chained_calls_carry_the_state() -> Result<()> {
+    let dev = gpu();
+    for (sizes, qkv) in [
+        (model(2, 1), DType::BF16),
+        (
+            RecSizes {
+                batch: 2,
+                seq_len: 1,
+                hk: 2,
+                hv: 4,
+                dk: 12,
+                dv: 24,
+            },
+            DType::F32,
+        ),
+    ] {
+        let mut rng = Rng::new(700);
+        let mut state_cpu = rec_state(&mut rng, sizes, true)?;
+        let mut state_gpu = to_gpu(&state_cpu, &dev)?;
+        for (step, seq_len) in [64, 1, 1, 1, 3, 1].into_iter().enumerate() {
+            let s = RecSizes { seq_len, ..sizes };
+            let inputs = rec_inputs(&mut rng, s, qkv, -1.0)?;
+            let what = format!(
+                "recurrence chain dk={} {qkv:?} step {step} T={seq_len}",
+                s.dk
+            );
+            (state_cpu, state_gpu) = rec_step(&what, &inputs, &state_cpu, &state_gpu)?;
+        }
+    }
+    Ok(())
+}
+
+/// Decode at a batch that selects the row-streaming kernel, with the state
+/// at an offset that is not 16-byte aligned (the tile kernel takes over).
+#[test]
+fn recurrence_decode_with_unaligned_state() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng::new(850);
+    let s = model(8, 1);
+    let inputs = rec_inputs(&mut rng, s, DType::BF16, -1.0)?;
+    let len = s.batch * s.hv * s.dk * s.dv;
+    let padded = random(&mut rng, &[len + 1], -0.5, 0.5, DType::F32)?;
+    let state = padded
+        .narrow(0, 1, len)?
+        .reshape((s.batch, s.hv, s.dk, s.dv))?;
+    let state_gpu = to_gpu(&padded, &dev)?
+        .narrow(0, 1, len)?
+        .reshape((s.batch, s.hv, s.dk, s.dv))?;
+    assert_eq!(state_gpu.layout().start_offset(), 1);
+    rec_step(
+        "recurrence decode, unaligned state",
+        &inputs,
+        &state,
+        &state_gpu,
+    )?;
+    Ok(())
+}
+
+#[test]
+fn recurrence_widens_mixed_dtypes() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng::new(800);
+    let s = RecSizes {
+        batch: 1,
+        seq_len: 4,
+        hk: 2,
+        hv: 4,
+        dk: 12,
+        dv: 24,
+    };
+    let mut inputs = rec_inputs(&mut rng, s, DType::BF16, -1.0)?;
+    inputs.v = inputs.v.to_dtype(DType::F32)?;
+    inputs.beta = inputs.beta.to_dtype(DType::BF16)?;
+    let state = rec_state(&mut rng, s, false)?.to_dtype(DType::BF16)?;
+    rec_step(
+        "recurrence mixed dtypes",
+        &inputs,
+        &state,
+        &to_gpu(&state, &dev)?,
+    )?;
+    Ok(())
+}
+
+// ------------------------------------------------------------ attn_res_mix
+
+fn attn_res_case(
+    seed: u64,
+    tokens: usize,
+    hidden: usize,
+    count: usize,
+    dtype: DType,
+    gate: Option<f32>,
+) -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng::new(seed);
+    let sources = (0..count)
+        .map(|i| {
+            let scale = 0.5 + i as f32;
+            random(&mut rng, &[tokens, hidden], -scale, scale, dtype)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let query = random(&mut rng, &[hidden], -0.1, 0.1, DType::F32)?;
+    let cpu = attn_res_mix(&sources, &query, gate, 1e-6)?;
+    let gpu_sources = sources
+        .iter()
+        .map(|s| to_gpu(s, &dev))
+        .collect::<Result<Vec<_>>>()?;
+    let cuda = attn_res_mix(&gpu_sources, &to_gpu(&query, &dev)?, gate, 1e-6)?;
+    let what = format!("attn_res_mix N={tokens} H={hidden} S={count} {dtype:?} gate={gate:?}");
+    compare(&what, &cuda, &cpu, output_tol(dtype))?;
+    if gate == Some(0.0) {
+        identical(&format!("{what} is x"), &cuda, &sources[count - 1])?;
+    }
+    Ok(())
+}
+
+#[test]
+fn attn_res_matches_cpu_at_model_shapes() -> Result<()> {
+    let mut seed = 900;
+    for tokens in [1, 64, 200] {
+        for count in [2, 3, 6] {
+            for dtype in [DType::F32, DType::BF16] {
+                for gate in [None, Some(0.0), Some(0.7)] {
+                    seed += 1;
+                    attn_res_case(seed, tokens, HIDDEN, count, dtype, gate)?;
+                }
+            }
+        }
+    }
+    attn_res_case(990, 8, HIDDEN, 4, DType::F16, Some(-1.3))?;
+    Ok(())
+}
+
+#[test]
+fn attn_res_matches_cpu_at_odd_shapes() -> Result<()> {
+    let mut seed = 1000;
+    for hidden in [24, 300] {
+        for count in [1, 3, 32] {
+            for dtype in [DType::F32, DType::BF16, DType::F16] {
+                seed += 1;
+                attn_res_case(seed, 5, hidden, count, dtype, Some(0.4))?;
+                attn_res_case(seed, 5, hidden, count, dtype, None)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn attn_res_mixed_dtypes_and_limits() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng::new(1100);
+    let mut sources = vec![
+        random(&mut rng, &[6, 64], -1.0, 1.0, DType::F32)?,
+        random(&mut rng, &[6, 64], -2.0, 2.0, DType::F16)?,
+        random(&mut rng, &[6, 64], -3.0, 3.0, DType::BF16)?,
+    ];
+    let query = random(&mut rng, &[64], -0.3, 0.3, DType::BF16)?;
+    let cpu = attn_res_mix(&sources, &query, Some(0.5), 1e-6)?;
+    let gpu_sources = sources
+        .iter()
+        .map(|s| to_gpu(s, &dev))
+        .collect::<Result<Vec<_>>>()?;
+    let cuda = attn_res_mix(&gpu_sources, &to_gpu(&query, &dev)?, Some(0.5), 1e-6)?;
+    compare(
+        "attn_res_mix mixed dtypes",
+        &cuda,
+        &cpu,
+        output_tol(DType::BF16),
+    )?;
+
+    // More sources than the CUDA kernel takes: a clear error.
+    let x = sources.pop().unwrap();
+    let many = vec![to_gpu(&x, &dev)?; 33];
+    match attn_res_mix(&many, &to_gpu(&query, &dev)?, None, 1e-6) {
+        Err(KernelError::InvalidArgument { arg: "sources", .. }) => {}
+        other => panic!("expected an InvalidArgument error, got {other:?}"),
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------- gated_rms_norm
+
+fn norm_case(seed: u64, rows: usize, width: usize, x_dtype: DType, z_dtype: DType) -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng::new(seed);
+    let x = random(&mut rng, &[rows, width], -3.0, 3.0, x_dtype)?;
+    let z = random(&mut rng, &[rows, width], -4.0, 4.0, z_dtype)?;
+    let weight = random(&mut rng, &[width], 0.5, 1.5, x_dtype)?;
+    let cpu = gated_rms_norm(&x, &z, &weight, 1e-6)?;
+    let cuda = gated_rms_norm(
+        &to_gpu(&x, &dev)?,
+        &to_gpu(&z, &dev)?,
+        &to_gpu(&weight, &dev)?,
+        1e-6,
+    )?;
+    let what = format!("gated_rms_norm rows={rows} D={width} x={x_dtype:?} z={z_dtype:?}");
+    compare(&what, &cuda, &cpu, output_tol(x_dtype))?;
+    Ok(())
+}
+
+#[test]
+fn norm_matches_cpu_at_model_shapes() -> Result<()> {
+    let mut seed = 1200;
+    for tokens in [1, 8, 64, 200] {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            seed += 1;
+            norm_case(seed, tokens * HV, DV, dtype, dtype)?;
+        }
+    }
+    norm_case(1250, 64 * HV, DV, DType::BF16, DType::F32)?;
+    Ok(())
+}
+
+#[test]
+fn norm_matches_cpu_at_odd_shapes_and_layouts() -> Result<()> {
+    let mut seed = 1300;
+    for width in [1, 24, 1000, HIDDEN] {
+        for dtype in [DType::F32, DType::BF16] {
+            seed += 1;
+            norm_case(seed, 9, width, dtype, dtype)?;
+        }
+    }
+    // Views: a row range (non-zero start offset) and a column range
+    // (non-contiguous).
+    let dev = gpu();
+    let mut rng = Rng::new(1400);
+    let big_x = random(&mut rng, &[10, 48], -3.0, 3.0, DType::BF16)?;
+    let big_z = random(&mut rng, &[10, 48], -3.0, 3.0, DType::BF16)?;
+    let weight = random(&mut rng, &[24], 0.5, 1.5, DType::BF16)?;
+    let x = big_x.narrow(0, 3, 5)?.narrow(1, 24, 24)?;
+    let z = big_z.narrow(0, 2, 5)?.narrow(1, 0, 24)?;
+    let cpu = gated_rms_norm(&x, &z, &weight, 1e-5)?;
+    let (gx, gz) = (to_gpu(&big_x, &dev)?, to_gpu(&big_z, &dev)?);
+    let cuda = gated_rms_norm(
+        &gx.narrow(0, 3, 5)?.narrow(1, 24, 24)?,
+        &gz.narrow(0, 2, 5)?.narrow(1, 0, 24)?,
+        &to_gpu(&weight, &dev)?,
+        1e-5,
+    )?;
+    compare("gated_rms_norm views", &cuda, &cpu, output_tol(DType::BF16))?;
+    // A contiguous view with a non-zero start offset.
+    let rows = to_gpu(&big_x, &dev)?.narrow(0, 4, 6)?;
+    let zs = to_gpu(&big_z, &dev)?.narrow(0, 1, 6)?;
+    let w48 = random(&mut rng, &[48], 0.5, 1.5, DType::F32)?;
+    let cpu = gated_rms_norm(&big_x.narrow(0, 4, 6)?, &big_z.narrow(0, 1, 6)?, &w48, 1e-5)?;
+    let cuda = gated_rms_norm(&rows, &zs, &to_gpu(&w48, &dev)?, 1e-5)?;
+    compare(
+        "gated_rms_norm offset view",
+        &cuda,
+        &cpu,
+        output_tol(DType::BF16),
+    )?;
+    Ok(())
+}
+
+/// The KDA output path chained on one device: gate, conv, recurrence and
+/// norm of a small layer, GPU against CPU.
+#[test]
+fn kda_layer_pipeline_matches_cpu() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng::new(1500);
+    let (b, t, hk, hv, dk, dv, kc) = (2, 9, 2, 4, 12, 24, 4);
+    let conv_dim = 2 * hk * dk + hv * dv;
+    let mixed = random(&mut rng, &[b, t, conv_dim], -2.0, 2.0, DType::BF16)?;
+    let conv_w = random(&mut rng, &[conv_dim, kc], -0.5, 0.5, DType::BF16)?;
+    let conv_state = Tensor::zeros((b, conv_dim, kc), DType::BF16, &Device::Cpu)?;
+    let raw = random(&mut rng, &[b * t, hv * dk], -3.0, 3.0, DType::BF16)?;
+    let a_log = random(&mut rng, &[hv], -1.0, 1.0, DType::F32)?;
+    let dt_bias = random(&mut rng, &[hv * dk], -1.0, 1.0, DType::F32)?;
+    let beta = random(&mut rng, &[b, t, hv], 0.0, 1.0, DType::F32)?;
+    let z = random(&mut rng, &[b * t * hv, dv], -3.0, 3.0, DType::BF16)?;
+    let norm_w = random(&mut rng, &[dv], 0.5, 1.5, DType::BF16)?;
+
+    let run = |device: &Device| -> Result<Tensor> {
+        let g = kda_gate(
+            &raw.to_device(device)?,
+            &a_log.to_device(device)?,
+            &dt_bias.to_device(device)?,
+            hv,
+            Some(-5.0),
+        )?
+        .reshape((b, t, hv, dk))?;
+        let (act, _) = causal_conv1d(
+            &mixed.to_device(device)?,
+            &conv_w.to_device(device)?,
+            &conv_state.to_device(device)?,
+        )?;
+        let q = act.narrow(2, 0, hk * dk)?.reshape((b, t, hk, dk))?;
+        let k = act.narrow(2, hk * dk, hk * dk)?.reshape((b, t, hk, dk))?;
+        let v = act
+            .narrow(2, 2 * hk * dk, hv * dv)?
+            .reshape((b, t, hv, dv))?;
+        let state = Tensor::zeros((b, hv, dk, dv), DType::F32, device)?;
+        let (o, _) = kda_recurrence(&q, &k, &v, &g, &beta.to_device(device)?, &state)?;
+        let o = o.to_dtype(DType::BF16)?.reshape((b * t * hv, dv))?;
+        gated_rms_norm(&o, &z.to_device(device)?, &norm_w.to_device(device)?, 1e-6)
+    };
+    let cpu = run(&Device::Cpu)?;
+    let cuda = run(&dev)?;
+    compare(
+        "kda layer pipeline",
+        &cuda,
+        &cpu,
+        Tol {
+            atol: 1e-2,
+            rtol: 2e-2,
+        },
+    )?;
+    Ok(())
+}
