@@ -45,7 +45,9 @@ async fn greedy_text(model: &mistralrs::Model, prompt: Vec<u32>, max_len: usize)
         .context("sending the request")?;
     match rx.recv().await.context("no response")? {
         Response::CompletionDone(done) => Ok(done.choices[0].text.clone()),
-        other => bail!("unexpected response: {other:?}"),
+        Response::CompletionModelError(message, _) => bail!("model error: {message}"),
+        Response::InternalError(error) | Response::ValidationError(error) => bail!("{error}"),
+        _ => bail!("unexpected response kind to a completion request"),
     }
 }
 

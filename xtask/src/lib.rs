@@ -14,10 +14,21 @@ pub fn cargo() -> OsString {
 }
 
 /// The shared target folder: outside the clone so it survives fresh checkouts.
-pub fn target_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("CARGO_TARGET_DIR") {
-        return PathBuf::from(dir);
+/// CUDA builds get their own (`-cuda`), so the CPU binaries the tests use and
+/// the CUDA binaries for the GPU machine never overwrite each other.
+pub fn target_dir(cuda: bool) -> PathBuf {
+    let base = match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) => PathBuf::from(dir),
+        None => {
+            let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
+            home.join(".cache/berrylm/target")
+        }
+    };
+    if cuda {
+        let mut name = base.file_name().unwrap_or_default().to_os_string();
+        name.push("-cuda");
+        base.with_file_name(name)
+    } else {
+        base
     }
-    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
-    home.join(".cache/berrylm/target")
 }

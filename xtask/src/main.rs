@@ -23,6 +23,12 @@ commands:
         [--dump OUT]              build, then report how closely berrylm reproduces a golden
                                   file's reference outputs (docs/alignment.md); `--device cuda`
                                   builds with CUDA
+  bench [--device cpu|cuda] [--dtype bf16|f32] [--layers N] [--tiny] [--prefill LIST]
+        [--decode LIST] [--json OUT] [...]
+                                  build, then measure prefill/decode throughput, per-kernel
+                                  times and the decode weight-read floor on a random
+                                  BerryLM-OS-shaped model (`bench --help` for every option);
+                                  `--device cuda` builds with CUDA
 ";
 
 /// The bundled default model (the trained tiny BerryLM, vendored with the test fixtures).
@@ -53,6 +59,7 @@ fn run(args: Vec<String>) -> Result<()> {
         "install" => install(&repo, &BuildOptions::parse(rest)?),
         "parse" => xtask::parse::run(&xtask::parse::ParseOptions::parse(rest)?),
         "align" => align(&repo, rest),
+        "bench" => bench(&repo, rest),
         "help" | "--help" | "-h" => {
             print!("{USAGE}");
             Ok(())
@@ -85,6 +92,7 @@ impl BuildOptions {
         let mut features = vec!["mistralrs-cli/berrylm"];
         if self.cuda {
             features.push("mistralrs-cli/cuda");
+            features.push("berrylm/cuda");
         }
         features.join(",")
     }
@@ -108,14 +116,16 @@ fn is_cargo_run_variable(name: &str) -> bool {
     EXACT.contains(&name) || name.starts_with("CARGO_PKG_")
 }
 
-fn cargo_in(repo: &Repo) -> Command {
+fn cargo_in(repo: &Repo, options: &BuildOptions) -> Command {
     let mut command = Command::new(cargo());
     for (name, _) in std::env::vars_os() {
         if name.to_str().is_some_and(is_cargo_run_variable) {
             command.env_remove(&name);
         }
     }
-    command.current_dir(&repo.root).env("CARGO_TARGET_DIR", target_dir());
+    command
+        .current_dir(&repo.root)
+        .env("CARGO_TARGET_DIR", target_dir(options.cuda));
     command
 }
 
@@ -135,7 +145,7 @@ fn build_workspace(repo: &Repo, options: &BuildOptions) -> Result<()> {
     run_step(
         "building the workspace and the host CLI with berrylm (release; the first build of \
          mistral.rs takes about 25 minutes on 2 cores)",
-        cargo_in(repo).args([
+        cargo_in(repo, options).args([
             "build",
             "--release",
             "--workspace",
@@ -147,8 +157,8 @@ fn build_workspace(repo: &Repo, options: &BuildOptions) -> Result<()> {
     )
 }
 
-fn host_binary() -> PathBuf {
-    target_dir().join("release").join("mistralrs")
+fn host_binary(options: &BuildOptions) -> PathBuf {
+    target_dir(options.cuda).join("release").join("mistralrs")
 }
 
 /// The OpenAI Python client the end-to-end tests drive the server with.
@@ -190,8 +200,8 @@ fn test(repo: &Repo) -> Result<()> {
     build_workspace(repo, &options)?;
     run_step(
         "testing the workspace",
-        cargo_in(repo)
-            .env("BERRYLM_HOST_BIN", host_binary())
+        cargo_in(repo, &options)
+            .env("BERRYLM_HOST_BIN", host_binary(&options))
             .env("BERRYLM_PYTHON", python)
             .args([
                 "test",
@@ -226,7 +236,7 @@ fn serve(repo: &Repo, args: &[String]) -> Result<()> {
     host::prepare(repo)?;
     build_workspace(repo, &options)?;
     println!("xtask: serving {} on http://127.0.0.1:{port}", model.display());
-    let status = Command::new(host_binary())
+    let status = Command::new(host_binary(&options))
         .args(["serve", "--host", "127.0.0.1", "--port", &port, "-m"])
         .arg(&model)
         .args(&host_args)
@@ -254,13 +264,39 @@ fn align(repo: &Repo, args: &[String]) -> Result<()> {
     }
     host::prepare(repo)?;
     build_workspace(repo, &options)?;
-    let binary = target_dir().join("release").join("berrylm-align");
+    let binary = target_dir(options.cuda).join("release").join("berrylm-align");
     let status = Command::new(&binary)
         .args(args)
         .status()
         .with_context(|| format!("starting {}", binary.display()))?;
     if !status.success() {
         bail!("berrylm-align exited with {status}");
+    }
+    Ok(())
+}
+
+/// Builds the workspace (with CUDA for `--device cuda`) and runs the built
+/// `berrylm-bench` binary with the arguments unchanged.
+fn bench(repo: &Repo, args: &[String]) -> Result<()> {
+    let mut options = BuildOptions::default();
+    let mut iter = args.iter();
+    while let Some(arg) = iter.next() {
+        let device = match arg.strip_prefix("--device=") {
+            Some(device) => Some(device),
+            None if arg == "--device" => iter.next().map(String::as_str),
+            None => None,
+        };
+        options.cuda |= device == Some("cuda");
+    }
+    host::prepare(repo)?;
+    build_workspace(repo, &options)?;
+    let binary = target_dir(options.cuda).join("release").join("berrylm-bench");
+    let status = Command::new(&binary)
+        .args(args)
+        .status()
+        .with_context(|| format!("starting {}", binary.display()))?;
+    if !status.success() {
+        bail!("berrylm-bench exited with {status}");
     }
     Ok(())
 }
@@ -281,7 +317,7 @@ fn install(repo: &Repo, options: &BuildOptions) -> Result<()> {
     };
     let destination = cargo_home.join("bin").join("mistralrs");
     std::fs::create_dir_all(cargo_home.join("bin"))?;
-    std::fs::copy(host_binary(), &destination)
+    std::fs::copy(host_binary(options), &destination)
         .with_context(|| format!("installing into {}", destination.display()))?;
     println!("xtask: installed {}", destination.display());
     Ok(())
