@@ -1,16 +1,16 @@
-//! Times the CUDA KDA recurrence through the public `kda_recurrence` at
+//! Times the CUDA KDA recurrence through the public `kda_recurrence_with` at
 //! BerryLM-OS shapes (Hk 16, Hv 32, dk = dv = 128, q/k/v bf16, g/beta/state
 //! f32):
 //!
 //! * decode (T = 1) at batch 1, 4, 8, 16, 32, 64 and 256, reporting the state bytes
-//!   moved (read + write, 2 * B * Hv * dk * dv * 4) per second;
-//! * prefill at T = 512 and 4096 (batch 1) and T = 512 (batch 8), reporting
+//!   moved (read + write, 2 * B * Hv * dk * dv * 4) per second; the decode
+//!   kernel is the one the library picks (`rows` when B * Hv >= 128, else
+//!   `tiles`);
+//! * prefill at T = 512 and 4096 (batch 1) and T = 512 (batch 8) with each
+//!   `KdaPrefillAlgorithm` (sequential, the default, and chunked), reporting
 //!   tokens per second.
 //!
-//! `BERRYLM_KDA_DECODE_KERNEL=tiles|rows` forces one of the two decode
-//! kernels (default: chosen by batch size), `BERRYLM_KDA_PREFILL_KERNEL=
-//! sequential|chunked` one of the prefill kernels (default: chunked from
-//! T = 64); `--decode-only` / `--prefill-only` print one table.
+//! `--decode-only` / `--prefill-only` print one table.
 //!
 //! Each figure is the mean over many back-to-back calls on candle's stream,
 //! timed with CUDA events around the loop (GPU time, outputs allocated per
@@ -20,7 +20,7 @@
 
 use std::time::Instant;
 
-use berrylm_kernels::kda_recurrence;
+use berrylm_kernels::{kda_recurrence_with, KdaPrefillAlgorithm};
 use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
 use candle_core::{DType, Device, Tensor};
 
@@ -52,10 +52,15 @@ fn inputs(device: &Device, batch: usize, seq_len: usize) -> candle_core::Result<
     })
 }
 
-fn recurrence_call(x: &Inputs) -> candle_core::Result<()> {
-    let (out, state) = kda_recurrence(&x.q, &x.k, &x.v, &x.g, &x.beta, &x.state)?;
+fn recurrence_call(algorithm: KdaPrefillAlgorithm, x: &Inputs) -> candle_core::Result<()> {
+    let (out, state) = kda_recurrence_with(algorithm, &x.q, &x.k, &x.v, &x.g, &x.beta, &x.state)?;
     drop((out, state));
     Ok(())
+}
+
+/// The library default (what `kda_recurrence` runs).
+fn default_call(x: &Inputs) -> candle_core::Result<()> {
+    recurrence_call(KdaPrefillAlgorithm::default(), x)
 }
 
 /// The copy-bandwidth baseline: a device-to-device copy of the state.
@@ -69,7 +74,7 @@ fn time_calls(
     device: &Device,
     x: &Inputs,
     iters: usize,
-    call: fn(&Inputs) -> candle_core::Result<()>,
+    call: impl Fn(&Inputs) -> candle_core::Result<()>,
 ) -> candle_core::Result<(f64, f64)> {
     let Device::Cuda(cuda) = device else {
         unreachable!()
@@ -111,7 +116,7 @@ fn main() -> candle_core::Result<()> {
         let start = Instant::now();
         while start.elapsed().as_secs_f64() < 0.5 {
             for _ in 0..50 {
-                recurrence_call(&x)?;
+                default_call(&x)?;
             }
             device.synchronize()?;
         }
@@ -122,15 +127,16 @@ fn main() -> candle_core::Result<()> {
     if decode_only {
         return Ok(());
     }
+    prefill_table(&device, quick)
+}
+
+fn prefill_table(device: &Device, quick: bool) -> candle_core::Result<()> {
     println!();
-    println!(
-        "prefill, kernel: {}",
-        std::env::var("BERRYLM_KDA_PREFILL_KERNEL").unwrap_or_else(|_| "auto".to_string())
-    );
-    println!("| batch | T | GPU ms/call | tokens/s (GPU) | host ms/call |");
-    println!("|---:|---:|---:|---:|---:|");
+    println!("prefill, both KdaPrefillAlgorithm values");
+    println!("| algorithm | batch | T | GPU ms/call | tokens/s (GPU) | host ms/call |");
+    println!("|---|---:|---:|---:|---:|---:|");
     for (batch, seq_len) in [(1usize, 512usize), (1, 4096), (8, 512)] {
-        let x = inputs(&device, batch, seq_len)?;
+        let x = inputs(device, batch, seq_len)?;
         let iters = if quick {
             3
         } else if seq_len > 1000 {
@@ -138,13 +144,19 @@ fn main() -> candle_core::Result<()> {
         } else {
             30
         };
-        let (gpu, host) = time_calls(&device, &x, iters, recurrence_call)?;
-        println!(
-            "| {batch} | {seq_len} | {:.3} | {:.0} | {:.3} |",
-            gpu * 1e3,
-            (batch * seq_len) as f64 / gpu,
-            host * 1e3
-        );
+        for algorithm in [
+            KdaPrefillAlgorithm::Sequential,
+            KdaPrefillAlgorithm::Chunked,
+        ] {
+            let call = |x: &Inputs| recurrence_call(algorithm, x);
+            let (gpu, host) = time_calls(device, &x, iters, call)?;
+            println!(
+                "| {algorithm:?} | {batch} | {seq_len} | {:.3} | {:.0} | {:.3} |",
+                gpu * 1e3,
+                (batch * seq_len) as f64 / gpu,
+                host * 1e3
+            );
+        }
     }
     Ok(())
 }
@@ -152,8 +164,7 @@ fn main() -> candle_core::Result<()> {
 fn decode_table(device: &Device, quick: bool) -> candle_core::Result<()> {
     println!();
     println!(
-        "decode (T = 1), kernel: {}; state bytes = 2 * B * Hv * dk * dv * 4 (read + write)",
-        std::env::var("BERRYLM_KDA_DECODE_KERNEL").unwrap_or_else(|_| "auto".to_string())
+        "decode (T = 1), kernel chosen by the library; state bytes = 2 * B * Hv * dk * dv * 4 (read + write)"
     );
     println!(
         "| batch | state MiB (r+w) | GPU us/call | GB/s (GPU) | host us/call | GB/s (host) | copy GB/s |"
@@ -167,7 +178,7 @@ fn decode_table(device: &Device, quick: bool) -> candle_core::Result<()> {
         } else {
             (2000 / batch).clamp(50, 1000)
         };
-        let (gpu, host) = time_calls(device, &x, iters, recurrence_call)?;
+        let (gpu, host) = time_calls(device, &x, iters, default_call)?;
         let (copy, _) = time_calls(device, &x, iters, copy_call)?;
         println!(
             "| {batch} | {:.1} | {:.1} | {:.0} | {:.1} | {:.0} | {:.0} |",

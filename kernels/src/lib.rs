@@ -6,6 +6,7 @@
 //! | [`kda_gate`] | 3.6 step 3 | KDA forget gate `-exp(A_log) * softplus(raw + dt_bias)`, optionally clamped |
 //! | [`causal_conv1d`] | 3.6 step 4, 4 | depthwise causal short convolution + SiLU, with a carried state of `K` columns |
 //! | [`kda_recurrence`] | 3.6 step 6 | the KDA delta-rule recurrence with per-key-channel decay |
+//! | [`kda_recurrence_with`] | 3.6 step 6 | the same, with an explicit [`KdaPrefillAlgorithm`] for CUDA prefill |
 //! | [`attn_res_mix`] | 3.4 | gated block AttnRes: depth softmax over committed streams and the current stream |
 //! | [`gated_rms_norm`] | 3.1 | RMSNorm before a SiLU gate (the KDA output norm) |
 //!
@@ -43,7 +44,7 @@ pub use attn_res::attn_res_mix;
 pub use conv::causal_conv1d;
 pub use gate::kda_gate;
 pub use norm::gated_rms_norm;
-pub use recurrence::kda_recurrence;
+pub use recurrence::{kda_recurrence, kda_recurrence_with, KdaPrefillAlgorithm};
 
 /// Errors returned by the kernels of this crate.
 #[derive(Debug, thiserror::Error)]

@@ -12,6 +12,27 @@ const OP: &str = "kda_recurrence";
 /// Epsilon of the q/k L2 normalisation (a fixed constant, not `rms_norm_eps`).
 const L2_NORM_EPS: f32 = 1e-6;
 
+/// How [`kda_recurrence_with`] computes a prefill (a call with `T > 1`).
+///
+/// The choice only matters for CUDA tensors; on the CPU both variants run the
+/// same token-by-token reference and give identical results. On CUDA both
+/// compute the same recurrence, differing in summation order and speed; both
+/// are tested against the CPU reference with the same tolerance.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum KdaPrefillAlgorithm {
+    /// Token by token, the state held in registers for the whole call. The
+    /// default, and the one [`kda_recurrence`] uses: on an H200 it measured
+    /// faster than [`KdaPrefillAlgorithm::Chunked`] at every benchmarked
+    /// size (see `CUDA.md`).
+    #[default]
+    Sequential,
+    /// Chunks of 64 tokens in the WY/UT form (one kernel prepares all chunks
+    /// in parallel, a second one walks them in order). Used on CUDA when
+    /// `dk <= 128` and `dv <= 128`; larger heads fall back to
+    /// [`KdaPrefillAlgorithm::Sequential`].
+    Chunked,
+}
+
 /// Sizes of one `kda_recurrence` call.
 struct RecurrenceDims {
     batch: usize,
@@ -42,7 +63,30 @@ struct RecurrenceDims {
 /// ```
 ///
 /// Returns `(output [B, T, Hv, dv], final_state [B, Hv, dk, dv])`, both `f32`.
+///
+/// Prefill on CUDA uses [`KdaPrefillAlgorithm::Sequential`]; use
+/// [`kda_recurrence_with`] to choose the algorithm.
 pub fn kda_recurrence(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    state: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    kda_recurrence_with(KdaPrefillAlgorithm::Sequential, q, k, v, g, beta, state)
+}
+
+/// [`kda_recurrence`] with an explicit prefill algorithm.
+///
+/// Arguments, validation, shapes and the computed recurrence are those of
+/// [`kda_recurrence`]. `algorithm` only matters for CUDA tensors, and there
+/// only for calls with `T > 1`: decode (`T = 1`) always runs the decode
+/// kernel chosen by batch size and state alignment. On the CPU both
+/// algorithms run the CPU reference, so the results do not depend on
+/// `algorithm`.
+pub fn kda_recurrence_with(
+    algorithm: KdaPrefillAlgorithm,
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
@@ -52,7 +96,11 @@ pub fn kda_recurrence(
 ) -> Result<(Tensor, Tensor)> {
     let dims = validate(q, k, v, g, beta, state)?;
     match q.device() {
-        Device::Cpu => cpu_kda_recurrence(q, k, v, g, beta, state, &dims),
+        Device::Cpu => {
+            // One reference for both algorithms (the choice is CUDA-only).
+            let _ = algorithm;
+            cpu_kda_recurrence(q, k, v, g, beta, state, &dims)
+        }
         #[cfg(feature = "cuda")]
         Device::Cuda(_) => crate::cuda::kda_recurrence(
             q,
@@ -61,7 +109,8 @@ pub fn kda_recurrence(
             g,
             beta,
             state,
-            &crate::cuda::RecurrenceSizes {
+            &crate::cuda::RecurrenceParams {
+                algorithm,
                 batch: dims.batch,
                 seq_len: dims.seq_len,
                 key_heads: dims.key_heads,

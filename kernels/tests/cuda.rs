@@ -2,7 +2,9 @@
 //! BerryLM-OS shapes (hidden 2048, Hk 16, Hv 32, dk = dv = 128, conv kernel 4,
 //! conv_dim 8192) and at small odd shapes, in f32 (tight tolerance) and in
 //! bf16/f16 (a rounding step of the output dtype), plus chained calls that
-//! carry the conv and recurrent states.
+//! carry the conv and recurrent states. Every recurrence case runs once per
+//! [`KdaPrefillAlgorithm`] (through `kda_recurrence_with`), each against the
+//! CPU reference.
 //!
 //! Needs a CUDA GPU: `cargo test --release --features cuda --test cuda`.
 #![cfg(feature = "cuda")]
@@ -12,7 +14,8 @@
 mod common;
 
 use berrylm_kernels::{
-    attn_res_mix, causal_conv1d, gated_rms_norm, kda_gate, kda_recurrence, KernelError, Result,
+    attn_res_mix, causal_conv1d, gated_rms_norm, kda_gate, kda_recurrence, kda_recurrence_with,
+    KdaPrefillAlgorithm, KernelError, Result,
 };
 use std::sync::OnceLock;
 
@@ -330,6 +333,12 @@ fn conv_chained_calls_carry_the_state() -> Result<()> {
 
 // ---------------------------------------------------------- kda_recurrence
 
+/// The CUDA prefill algorithms; each recurrence case runs with every one.
+const ALGORITHMS: [KdaPrefillAlgorithm; 2] = [
+    KdaPrefillAlgorithm::Sequential,
+    KdaPrefillAlgorithm::Chunked,
+];
+
 #[derive(Clone, Copy)]
 struct RecSizes {
     batch: usize,
@@ -375,14 +384,17 @@ fn rec_state(rng: &mut Rng, s: RecSizes, fresh: bool) -> Result<Tensor> {
     }
 }
 
-/// Runs one recurrence call on both devices and compares; returns the states.
+/// Runs one recurrence call on both devices (on the GPU with `algorithm`)
+/// and compares; returns the states.
 fn rec_step(
     what: &str,
+    algorithm: KdaPrefillAlgorithm,
     inputs: &RecInputs,
     state_cpu: &Tensor,
     state_gpu: &Tensor,
 ) -> Result<(Tensor, Tensor)> {
     let dev = gpu();
+    let what = format!("{what} [{algorithm:?}]");
     let (o_cpu, s_cpu) = kda_recurrence(
         &inputs.q,
         &inputs.k,
@@ -391,7 +403,8 @@ fn rec_step(
         &inputs.beta,
         state_cpu,
     )?;
-    let (o_gpu, s_gpu) = kda_recurrence(
+    let (o_gpu, s_gpu) = kda_recurrence_with(
+        algorithm,
         &to_gpu(&inputs.q, &dev)?,
         &to_gpu(&inputs.k, &dev)?,
         &to_gpu(&inputs.v, &dev)?,
@@ -413,7 +426,10 @@ fn rec_case(seed: u64, s: RecSizes, qkv: DType, fresh: bool, g_low: f32) -> Resu
         "kda_recurrence B={} T={} Hk={} Hv={} dk={} dv={} {qkv:?} fresh={fresh} g>={g_low}",
         s.batch, s.seq_len, s.hk, s.hv, s.dk, s.dv
     );
-    rec_step(&what, &inputs, &state, &to_gpu(&state, &dev)?)?;
+    let state_gpu = to_gpu(&state, &dev)?;
+    for algorithm in ALGORITHMS {
+        rec_step(&what, algorithm, &inputs, &state, &state_gpu)?;
+    }
     Ok(())
 }
 
@@ -452,7 +468,7 @@ fn recurrence_prefill_matches_cpu_at_model_shapes() -> Result<()> {
     Ok(())
 }
 
-/// Around the chunked prefill's chunk size (64) and threshold, with gates
+/// Around the chunked prefill's chunk size (64), with gates
 /// from nearly no decay to decay far below f32's exp range.
 #[test]
 fn recurrence_prefill_chunk_boundaries_and_extreme_gates() -> Result<()> {
@@ -506,6 +522,13 @@ fn recurrence_matches_cpu_at_odd_shapes() -> Result<()> {
 #[test]
 fn recurrence_chained_calls_carry_the_state() -> Result<()> {
     let dev = gpu();
+    for algorithm in ALGORITHMS {
+        recurrence_chain(&dev, algorithm)?;
+    }
+    Ok(())
+}
+
+fn recurrence_chain(dev: &Device, algorithm: KdaPrefillAlgorithm) -> Result<()> {
     for (sizes, qkv) in [
         (model(2, 1), DType::BF16),
         (
@@ -522,7 +545,7 @@ fn recurrence_chained_calls_carry_the_state() -> Result<()> {
     ] {
         let mut rng = Rng::new(700);
         let mut state_cpu = rec_state(&mut rng, sizes, true)?;
-        let mut state_gpu = to_gpu(&state_cpu, &dev)?;
+        let mut state_gpu = to_gpu(&state_cpu, dev)?;
         for (step, seq_len) in [64, 1, 1, 1, 3, 1].into_iter().enumerate() {
             let s = RecSizes { seq_len, ..sizes };
             let inputs = rec_inputs(&mut rng, s, qkv, -1.0)?;
@@ -530,7 +553,7 @@ fn recurrence_chained_calls_carry_the_state() -> Result<()> {
                 "recurrence chain dk={} {qkv:?} step {step} T={seq_len}",
                 s.dk
             );
-            (state_cpu, state_gpu) = rec_step(&what, &inputs, &state_cpu, &state_gpu)?;
+            (state_cpu, state_gpu) = rec_step(&what, algorithm, &inputs, &state_cpu, &state_gpu)?;
         }
     }
     Ok(())
@@ -553,12 +576,15 @@ fn recurrence_decode_with_unaligned_state() -> Result<()> {
         .narrow(0, 1, len)?
         .reshape((s.batch, s.hv, s.dk, s.dv))?;
     assert_eq!(state_gpu.layout().start_offset(), 1);
-    rec_step(
-        "recurrence decode, unaligned state",
-        &inputs,
-        &state,
-        &state_gpu,
-    )?;
+    for algorithm in ALGORITHMS {
+        rec_step(
+            "recurrence decode, unaligned state",
+            algorithm,
+            &inputs,
+            &state,
+            &state_gpu,
+        )?;
+    }
     Ok(())
 }
 
@@ -578,12 +604,16 @@ fn recurrence_widens_mixed_dtypes() -> Result<()> {
     inputs.v = inputs.v.to_dtype(DType::F32)?;
     inputs.beta = inputs.beta.to_dtype(DType::BF16)?;
     let state = rec_state(&mut rng, s, false)?.to_dtype(DType::BF16)?;
-    rec_step(
-        "recurrence mixed dtypes",
-        &inputs,
-        &state,
-        &to_gpu(&state, &dev)?,
-    )?;
+    let state_gpu = to_gpu(&state, &dev)?;
+    for algorithm in ALGORITHMS {
+        rec_step(
+            "recurrence mixed dtypes",
+            algorithm,
+            &inputs,
+            &state,
+            &state_gpu,
+        )?;
+    }
     Ok(())
 }
 

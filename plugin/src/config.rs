@@ -224,7 +224,10 @@ fn positive_float(field: &str, value: f64) -> Result<f64> {
     if value.is_finite() && value > 0.0 {
         Ok(value)
     } else {
-        Err(invalid(field, format!("must be a positive number, got {value}")))
+        Err(invalid(
+            field,
+            format!("must be a positive number, got {value}"),
+        ))
     }
 }
 
@@ -290,12 +293,12 @@ impl BerryLmConfig {
         let rope = Self::rope(&raw)?;
         let head_dim = positive("head_dim", raw.head_dim)?;
         let rotary_dim = (head_dim as f64 * rope.partial_rotary_factor) as usize;
-        if rotary_dim == 0 || rotary_dim % 2 != 0 || rotary_dim > head_dim {
+        if rotary_dim == 0 || 2 * rotary_dim.div_ceil(2) > head_dim {
             return Err(invalid(
                 "partial_rotary_factor",
                 format!(
                     "gives a rotary dimension of {rotary_dim} for head_dim {head_dim}; it must be \
-                     even, positive and at most head_dim"
+                     positive and (rounded up to even) at most head_dim"
                 ),
             ));
         }
@@ -433,7 +436,8 @@ impl BerryLmConfig {
         2 * self.linear_key_dim() + self.linear_value_dim()
     }
 
-    /// Channels rotated by partial RoPE in each attention head.
+    /// `int(head_dim * partial_rotary_factor)`: sets the RoPE frequencies (the
+    /// rotated width is this rounded up to even).
     pub fn rotary_dim(&self) -> usize {
         (self.head_dim as f64 * self.rope.partial_rotary_factor) as usize
     }
@@ -494,7 +498,10 @@ mod tests {
     #[test]
     fn invalid_values_name_the_field() {
         let cases = [
-            (r#"{"num_hidden_layers": 2, "layer_types": ["linear_attention"]}"#, "layer_types"),
+            (
+                r#"{"num_hidden_layers": 2, "layer_types": ["linear_attention"]}"#,
+                "layer_types",
+            ),
             (
                 r#"{"num_hidden_layers": 1, "layer_types": ["mamba"]}"#,
                 "layer_types",
@@ -506,9 +513,15 @@ mod tests {
             (r#"{"attn_res_block_size": -1}"#, "attn_res_block_size"),
             (r#"{"kda_safe_gate": true}"#, "kda_gate_lower_bound"),
             (r#"{"hidden_size": 0}"#, "hidden_size"),
-            (r#"{"num_experts": 4, "num_experts_per_tok": 5}"#, "num_experts_per_tok"),
+            (
+                r#"{"num_experts": 4, "num_experts_per_tok": 5}"#,
+                "num_experts_per_tok",
+            ),
             (r#"{"hidden_act": "gelu"}"#, "hidden_act"),
-            (r#"{"rope_parameters": {"rope_type": "yarn"}}"#, "rope_parameters.rope_type"),
+            (
+                r#"{"rope_parameters": {"rope_type": "yarn"}}"#,
+                "rope_parameters.rope_type",
+            ),
         ];
         for (json, field) in cases {
             let error = parse(json).unwrap_err().to_string();

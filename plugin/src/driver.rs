@@ -27,9 +27,14 @@ pub fn load_checkpoint(dir: &Path, dtype: DType, device: &Device) -> Result<Berr
         .filter(|path| path.extension().is_some_and(|ext| ext == "safetensors"))
         .collect();
     files.sort();
-    anyhow::ensure!(!files.is_empty(), "{} holds no .safetensors files", dir.display());
+    anyhow::ensure!(
+        !files.is_empty(),
+        "{} holds no .safetensors files",
+        dir.display()
+    );
     // SAFETY: the checkpoint files are not modified while they are mapped.
-    let vb = unsafe { ShardedSafeTensors::sharded(&files, dtype, device, None, Arc::new(|_| true))? };
+    let vb =
+        unsafe { ShardedSafeTensors::sharded(&files, dtype, device, None, Arc::new(|_| true))? };
     Ok(BerryLm::load(cfg, &Weights::new(vb), false)?)
 }
 
@@ -60,7 +65,29 @@ impl<'m> Driver<'m> {
 
     /// Feeds one chunk per sequence (all the same length); returns logits `[B, T, vocab]`
     /// and, if asked, every decoder layer's output.
-    pub fn step(&mut self, chunks: &[&[u32]], layer_outputs: Option<&mut Vec<Tensor>>) -> Result<Tensor> {
+    pub fn step(
+        &mut self,
+        chunks: &[&[u32]],
+        layer_outputs: Option<&mut Vec<Tensor>>,
+    ) -> Result<Tensor> {
+        let hidden = self.forward_hidden(chunks, layer_outputs)?;
+        Ok(self.model.logits(&hidden)?.to_dtype(DType::F32)?)
+    }
+
+    /// Like [`Driver::step`], but with the LM head on each sequence's last position
+    /// only, as the engine does: returns logits `[B, vocab]`.
+    pub fn step_last(&mut self, chunks: &[&[u32]]) -> Result<Tensor> {
+        let hidden = self.forward_hidden(chunks, None)?;
+        let last = hidden.narrow(1, hidden.dim(1)? - 1, 1)?.squeeze(1)?;
+        Ok(self.model.logits(&last)?.to_dtype(DType::F32)?)
+    }
+
+    /// Runs the decoder on one chunk per sequence; returns the final-normed hidden states.
+    fn forward_hidden(
+        &mut self,
+        chunks: &[&[u32]],
+        layer_outputs: Option<&mut Vec<Tensor>>,
+    ) -> Result<Tensor> {
         let len = chunks[0].len();
         let rows: Vec<Tensor> = chunks
             .iter()
@@ -83,11 +110,15 @@ impl<'m> Driver<'m> {
         for offset in &mut self.offsets {
             *offset += len;
         }
-        Ok(self.model.logits(&hidden)?.to_dtype(DType::F32)?)
+        Ok(hidden)
     }
 
     /// Feeds one sequence in chunks of the given sizes; returns `[T, vocab]` logits.
-    pub fn run_chunked(&mut self, ids: &[u32], chunk_sizes: impl IntoIterator<Item = usize>) -> Result<Tensor> {
+    pub fn run_chunked(
+        &mut self,
+        ids: &[u32],
+        chunk_sizes: impl IntoIterator<Item = usize>,
+    ) -> Result<Tensor> {
         let mut logits = Vec::new();
         let mut start = 0;
         for size in chunk_sizes {
@@ -98,7 +129,11 @@ impl<'m> Driver<'m> {
             logits.push(self.step(&[&ids[start..end]], None)?.squeeze(0)?);
             start = end;
         }
-        anyhow::ensure!(start == ids.len(), "chunk sizes cover {start} of {} tokens", ids.len());
+        anyhow::ensure!(
+            start == ids.len(),
+            "chunk sizes cover {start} of {} tokens",
+            ids.len()
+        );
         Ok(Tensor::cat(&logits, 0)?)
     }
 }

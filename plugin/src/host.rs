@@ -38,7 +38,10 @@ impl BerryLmHostModel {
 }
 
 /// Host metadata for `num_layers` KV-cached layers.
-pub fn model_metadata(cfg: &crate::config::BerryLmConfig, num_layers: usize) -> ModelConfigMetadata {
+pub fn model_metadata(
+    cfg: &crate::config::BerryLmConfig,
+    num_layers: usize,
+) -> ModelConfigMetadata {
     ModelConfigMetadata {
         max_seq_len: cfg.max_position_embeddings,
         num_layers,

@@ -5,12 +5,12 @@ use std::fmt::Debug;
 
 use anyhow::Result;
 use candle_core::DType;
+use mistralrs_core::matformer::MatformerSliceConfig;
 use mistralrs_core::plugin_api::{
     AttentionImplementation, AutoDeviceMapParams, DeviceMappedModelLoader, IsqModelLoader,
     LoraConfig, ModelConfigLike, NormalLoadingMetadata, NormalModel, NormalModelLoader,
     XLoraConfig, ATTENTION_CHUNK_SIZE,
 };
-use mistralrs_core::matformer::MatformerSliceConfig;
 use mistralrs_core::Ordering;
 use mistralrs_quant::ShardedVarBuilder;
 
@@ -77,7 +77,11 @@ impl NormalModelLoader for BerryLmLoader {
 impl IsqModelLoader for BerryLmLoader {}
 
 impl DeviceMappedModelLoader for BerryLmLoader {
-    fn mapped_max_act_size_elems(&self, config: &str, params: &AutoDeviceMapParams) -> Result<usize> {
+    fn mapped_max_act_size_elems(
+        &self,
+        config: &str,
+        params: &AutoDeviceMapParams,
+    ) -> Result<usize> {
         let AutoDeviceMapParams::Text {
             max_seq_len,
             max_batch_size,
@@ -86,7 +90,11 @@ impl DeviceMappedModelLoader for BerryLmLoader {
             anyhow::bail!("BerryLM is a text model")
         };
         let cfg = BerryLmConfig::from_json(config)?;
-        Ok(max_batch_size * cfg.num_attention_heads * max_seq_len.min(&ATTENTION_CHUNK_SIZE).pow(2))
+        Ok(
+            max_batch_size
+                * cfg.num_attention_heads
+                * max_seq_len.min(&ATTENTION_CHUNK_SIZE).pow(2),
+        )
     }
 
     fn non_mapped_max_act_size_elems(
@@ -106,7 +114,11 @@ impl DeviceMappedModelLoader for BerryLmLoader {
     ) -> Result<usize> {
         let cfg = BerryLmConfig::from_json(config)?;
         let embedding = cfg.vocab_size * cfg.hidden_size / weight_pack_factor;
-        let lm_head = if cfg.tie_word_embeddings { 0 } else { embedding };
+        let lm_head = if cfg.tie_word_embeddings {
+            0
+        } else {
+            embedding
+        };
         Ok((embedding + lm_head + cfg.hidden_size) * dtype.size_in_bytes())
     }
 
@@ -123,7 +135,12 @@ impl DeviceMappedModelLoader for BerryLmLoader {
             + cfg.num_experts * 3 * hidden * cfg.moe_intermediate_size / weight_pack_factor
             + 3 * hidden * cfg.shared_expert_intermediate_size / weight_pack_factor
             + hidden;
-        let norms_and_attn_res = 2 * hidden + if cfg.attn_res_enabled() { hidden + 1 } else { 0 };
+        let norms_and_attn_res = 2 * hidden
+            + if cfg.attn_res_enabled() {
+                hidden + 1
+            } else {
+                0
+            };
         let sizes = cfg
             .layer_types
             .iter()

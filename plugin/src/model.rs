@@ -4,8 +4,8 @@
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor};
 use mistralrs_core::layers::CausalMasker;
 use mistralrs_core::plugin_api::{
-    FlashParams, HybridCache, HybridCacheConfig, HybridLayerCache, HybridLayerType,
-    PagedAttention, PagedAttentionInputMetadata, PastKvLenCache, RecurrentLayerConfig,
+    FlashParams, HybridCache, HybridCacheConfig, HybridLayerCache, HybridLayerType, PagedAttention,
+    PagedAttentionInputMetadata, PastKvLenCache, RecurrentLayerConfig,
 };
 
 use crate::config::{BerryLmConfig, LayerKind};
@@ -205,7 +205,10 @@ impl BerryLm {
         }
         if paged.is_none()
             && self.cfg.num_full_attention_layers() > 0
-            && batch.seqlen_offsets.iter().any(|o| *o != batch.seqlen_offsets[0])
+            && batch
+                .seqlen_offsets
+                .iter()
+                .any(|o| *o != batch.seqlen_offsets[0])
         {
             candle_core::bail!(
                 "BerryLM forward: a non-paged batch must share one position offset, got {:?}",

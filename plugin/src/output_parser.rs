@@ -27,7 +27,9 @@ impl BerryLmOutputParser {
         {
             Ok(tools) => tools,
             Err(error) => {
-                tracing::warn!("berrylm: tool definitions not usable for typing arguments: {error}");
+                tracing::warn!(
+                    "berrylm: tool definitions not usable for typing arguments: {error}"
+                );
                 Vec::new()
             }
         };
@@ -47,17 +49,29 @@ impl BerryLmOutputParser {
                     .reasoning_content
                     .get_or_insert_with(String::new)
                     .push_str(&text),
-                Delta::Content(text) => parsed.content.get_or_insert_with(String::new).push_str(&text),
+                Delta::Content(text) => parsed
+                    .content
+                    .get_or_insert_with(String::new)
+                    .push_str(&text),
                 Delta::ToolCallStart { index, id, name } => {
                     self.saw_tool_call = true;
-                    parsed.tool_calls.push(tool_call(index, id, name, String::new()));
-                }
-                Delta::ToolCallArguments { index, fragment } => match parsed.tool_calls.last_mut() {
-                    Some(last) if last.index == index => last.function.arguments.push_str(&fragment),
-                    _ => parsed
+                    parsed
                         .tool_calls
-                        .push(tool_call(index, String::new(), String::new(), fragment)),
-                },
+                        .push(tool_call(index, id, name, String::new()));
+                }
+                Delta::ToolCallArguments { index, fragment } => {
+                    match parsed.tool_calls.last_mut() {
+                        Some(last) if last.index == index => {
+                            last.function.arguments.push_str(&fragment)
+                        }
+                        _ => parsed.tool_calls.push(tool_call(
+                            index,
+                            String::new(),
+                            String::new(),
+                            fragment,
+                        )),
+                    }
+                }
             }
         }
         parsed

@@ -49,7 +49,10 @@ impl Weights {
         if !self.contains(name) {
             return Err(BerryLmError::Weight {
                 name: self.full_name(name),
-                message: format!("missing from the checkpoint (expected shape {:?})", shape.dims()),
+                message: format!(
+                    "missing from the checkpoint (expected shape {:?})",
+                    shape.dims()
+                ),
             });
         }
         self.vb
@@ -57,11 +60,9 @@ impl Weights {
             .map_err(|error| BerryLmError::Weight {
                 name: self.full_name(name),
                 message: match error {
-                    candle_core::Error::UnexpectedShape { got, .. } => format!(
-                        "has shape {:?}, expected {:?}",
-                        got.dims(),
-                        shape.dims()
-                    ),
+                    candle_core::Error::UnexpectedShape { got, .. } => {
+                        format!("has shape {:?}, expected {:?}", got.dims(), shape.dims())
+                    }
                     other => other.to_string(),
                 },
             })

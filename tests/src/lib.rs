@@ -83,13 +83,22 @@ impl Fixture {
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
     let a = a.to_dtype(DType::F32)?;
     let b = b.to_dtype(DType::F32)?;
-    anyhow::ensure!(a.dims() == b.dims(), "shapes differ: {:?} vs {:?}", a.dims(), b.dims());
+    anyhow::ensure!(
+        a.dims() == b.dims(),
+        "shapes differ: {:?} vs {:?}",
+        a.dims(),
+        b.dims()
+    );
     Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
 }
 
 /// Largest absolute element.
 pub fn max_abs(a: &Tensor) -> Result<f32> {
-    Ok(a.to_dtype(DType::F32)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
+    Ok(a.to_dtype(DType::F32)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f32>()?)
 }
 
 /// The path of the host CLI binary built beside the tests (`cargo xtask test`

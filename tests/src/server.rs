@@ -29,7 +29,14 @@ impl Server {
         let log = std::env::temp_dir().join(format!("berrylm-server-{port}.log"));
         let log_file = std::fs::File::create(&log)?;
         let child = Command::new(host_binary()?)
-            .args(["serve", "--host", "127.0.0.1", "--port", &port.to_string(), "-m"])
+            .args([
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                &port.to_string(),
+                "-m",
+            ])
             .arg(model_dir)
             .args(extra_args)
             .stdout(log_file.try_clone()?)
@@ -58,7 +65,12 @@ impl Server {
         }
     }
 
-    fn request(&self, method: &str, path: &str, body: Option<&serde_json::Value>) -> Result<(u16, String)> {
+    fn request(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&serde_json::Value>,
+    ) -> Result<(u16, String)> {
         let mut stream = TcpStream::connect(("127.0.0.1", self.port))?;
         stream.set_read_timeout(Some(Duration::from_secs(300)))?;
         let body = body.map(|b| b.to_string()).unwrap_or_default();
@@ -138,16 +150,26 @@ impl Server {
 
     pub fn get(&self, path: &str) -> Result<(u16, serde_json::Value)> {
         let (status, body) = self.request("GET", path, None)?;
-        Ok((status, serde_json::from_str(&body).unwrap_or(serde_json::Value::String(body))))
+        Ok((
+            status,
+            serde_json::from_str(&body).unwrap_or(serde_json::Value::String(body)),
+        ))
     }
 
     pub fn post(&self, path: &str, body: &serde_json::Value) -> Result<(u16, serde_json::Value)> {
         let (status, text) = self.request("POST", path, Some(body))?;
-        Ok((status, serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text))))
+        Ok((
+            status,
+            serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text)),
+        ))
     }
 
     /// POSTs a streaming request and returns the `data:` payloads of the SSE stream.
-    pub fn post_stream(&self, path: &str, body: &serde_json::Value) -> Result<(u16, Vec<serde_json::Value>)> {
+    pub fn post_stream(
+        &self,
+        path: &str,
+        body: &serde_json::Value,
+    ) -> Result<(u16, Vec<serde_json::Value>)> {
         let (status, text) = self.request("POST", path, Some(body))?;
         let events = text
             .lines()

@@ -49,10 +49,16 @@ fn a_wrong_shape_is_named_with_both_shapes() -> Result<()> {
     let (cfg, mut tensors) = small_hybrid()?;
     let name = "model.layers.3.self_attn.k_norm.weight";
     let expected = tensors[name].dims().to_vec();
-    tensors.insert(name.to_string(), Tensor::zeros(7, DType::F32, &Device::Cpu)?);
+    tensors.insert(
+        name.to_string(),
+        Tensor::zeros(7, DType::F32, &Device::Cpu)?,
+    );
     let error = load_error(cfg, tensors);
     assert!(error.contains(name), "{error}");
-    assert!(error.contains("[7]") && error.contains(&format!("{expected:?}")), "{error}");
+    assert!(
+        error.contains("[7]") && error.contains(&format!("{expected:?}")),
+        "{error}"
+    );
     Ok(())
 }
 
@@ -61,7 +67,13 @@ fn a_checkpoint_without_the_kda_module_names_both_layouts() -> Result<()> {
     let (cfg, mut tensors) = small_hybrid()?;
     tensors.retain(|name, _| !name.starts_with("model.layers.0.linear_attn."));
     let error = load_error(cfg, tensors);
-    assert!(error.contains("model.layers.0.linear_attn.in_proj_qkv.weight"), "{error}");
-    assert!(error.contains("model.layers.0.kda.in_proj_qkv.weight"), "{error}");
+    assert!(
+        error.contains("model.layers.0.linear_attn.in_proj_qkv.weight"),
+        "{error}"
+    );
+    assert!(
+        error.contains("model.layers.0.kda.in_proj_qkv.weight"),
+        "{error}"
+    );
     Ok(())
 }

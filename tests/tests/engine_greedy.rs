@@ -3,7 +3,20 @@
 //! reference's greedy tokens on every fixture, up to the first EOS.
 
 use anyhow::{bail, Context, Result};
-use berrylm_tests::{Fixture, FIXTURES};
+use berrylm_tests::Fixture;
+
+/// Fixtures the host can serve. `tiny-hf` and `no-attnres` ship word-level
+/// tokenizers, which the host's constrained-decoding layer (llguidance) cannot
+/// load, so the host serves no such checkpoint; their cached greedy decoding
+/// is checked against the reference in `golden_cpu.rs`.
+const SERVABLE: [&str; 6] = [
+    "small-hybrid",
+    "small-hybrid-alt-layout",
+    "small-hybrid-bf16",
+    "variant-a",
+    "variant-b",
+    "trained-tiny",
+];
 use mistralrs::{ModelDType, TextModelBuilder};
 use mistralrs_core::{NormalRequest, Request, RequestMessage, Response, SamplingParams};
 
@@ -54,7 +67,7 @@ async fn greedy_text(model: &mistralrs::Model, prompt: Vec<u32>, max_len: usize)
 #[tokio::test(flavor = "multi_thread")]
 async fn engine_greedy_generation_matches_reference() -> Result<()> {
     berrylm::register()?;
-    for name in FIXTURES {
+    for name in SERVABLE {
         let fixture = Fixture::load(name)?;
         let prompt = fixture.ids("gen.prompt_ids")?;
         let mut expected = fixture.ids("gen.output_ids")?;
@@ -69,12 +82,18 @@ async fn engine_greedy_generation_matches_reference() -> Result<()> {
             .await
             .with_context(|| format!("{name}: building the engine"))?;
         let text = greedy_text(&model, prompt, expected.len()).await?;
-        // The engine may or may not render the final EOS token in the text.
+        // The engine may or may not render the final EOS token in the text, and
+        // it trims leading whitespace from a completion.
         let with_eos = model.detokenize(expected.clone(), false).await?;
         let without_eos = match eos_position {
-            Some(_) => model.detokenize(expected[..expected.len() - 1].to_vec(), false).await?,
+            Some(_) => {
+                model
+                    .detokenize(expected[..expected.len() - 1].to_vec(), false)
+                    .await?
+            }
             None => with_eos.clone(),
         };
+        let (with_eos, without_eos) = (with_eos.trim_start(), without_eos.trim_start());
         assert!(
             text == with_eos || text == without_eos,
             "{name}: engine greedy text {text:?} differs from the reference {with_eos:?}"

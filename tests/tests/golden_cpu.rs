@@ -9,7 +9,12 @@ use candle_core::{DType, IndexOp, Tensor};
 /// Logit bound the reference's own float32 noise supports (golden/README.md).
 const LOGIT_BOUND: f32 = 1e-3;
 
-fn assert_logits_close(fixture: &Fixture, what: &str, ours: &Tensor, reference: &Tensor) -> Result<()> {
+fn assert_logits_close(
+    fixture: &Fixture,
+    what: &str,
+    ours: &Tensor,
+    reference: &Tensor,
+) -> Result<()> {
     let diff = max_abs_diff(ours, reference)?;
     assert!(
         diff <= LOGIT_BOUND,
@@ -68,7 +73,12 @@ fn prefill_then_decode_matches_reference() -> Result<()> {
                 let mut driver = Driver::new(&model, 1)?;
                 let sizes = std::iter::once(k).chain(std::iter::repeat(1));
                 let logits = driver.run_chunked(&ids, sizes)?;
-                assert_logits_close(&fixture, &format!("seq{seq} prefill {k} then decode"), &logits, reference)?;
+                assert_logits_close(
+                    &fixture,
+                    &format!("seq{seq} prefill {k} then decode"),
+                    &logits,
+                    reference,
+                )?;
             }
         }
     }
@@ -90,7 +100,12 @@ fn chunked_prefill_matches_reference() -> Result<()> {
                 }
                 let mut driver = Driver::new(&model, 1)?;
                 let logits = driver.run_chunked(&ids, std::iter::repeat(chunk))?;
-                assert_logits_close(&fixture, &format!("seq{seq} chunks of {chunk}"), &logits, reference)?;
+                assert_logits_close(
+                    &fixture,
+                    &format!("seq{seq} chunks of {chunk}"),
+                    &logits,
+                    reference,
+                )?;
             }
         }
     }
@@ -110,7 +125,10 @@ fn greedy_decode_with_cache_matches_reference_steps() -> Result<()> {
         let mut last = logits.i(logits.dim(0)? - 1)?;
         for (step, expected_token) in expected.iter().enumerate() {
             let diff = max_abs_diff(&last, &step_logits.i(step)?)?;
-            assert!(diff <= LOGIT_BOUND, "{name}: generation step {step}: max diff {diff}");
+            assert!(
+                diff <= LOGIT_BOUND,
+                "{name}: generation step {step}: max diff {diff}"
+            );
             let token = last.argmax(0)?.to_scalar::<u32>()?;
             assert_eq!(token, *expected_token, "{name}: generation step {step}");
             logits = driver.step(&[&[token]], None)?.squeeze(0)?;
@@ -156,7 +174,12 @@ fn alternative_layout_matches_small_hybrid_reference() -> Result<()> {
         let ids = reference.ids(&format!("seq{seq}.input_ids"))?;
         let logits = Driver::new(&model, 1)?.step(&[&ids], None)?.squeeze(0)?;
         let expected = reference.tensor(&format!("seq{seq}.logits_f32"))?;
-        assert_logits_close(&alt, &format!("seq{seq} (alt layout vs small-hybrid)"), &logits, expected)?;
+        assert_logits_close(
+            &alt,
+            &format!("seq{seq} (alt layout vs small-hybrid)"),
+            &logits,
+            expected,
+        )?;
     }
     Ok(())
 }

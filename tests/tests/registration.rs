@@ -6,8 +6,9 @@ use berrylm::Registry;
 use mistralrs::{ModelDType, TextModelBuilder};
 use mistralrs_core::plugin_api::lookup_normal_loader;
 
-/// Loads a folder holding `config.json` and a tokenizer but no weights through
-/// the host, and returns the error.
+/// Loads, through the host, a folder holding `config.json` and the tokenizer
+/// and weights of the small-hybrid fixture (which do not fit a default-shaped
+/// config), and returns the error.
 async fn load_error(config: serde_json::Value) -> String {
     let dir = std::env::temp_dir().join(format!(
         "berrylm-registration-{}-{}",
@@ -16,8 +17,8 @@ async fn load_error(config: serde_json::Value) -> String {
     ));
     std::fs::create_dir_all(&dir).expect("temp dir");
     std::fs::write(dir.join("config.json"), config.to_string()).expect("write config");
-    let tokenizer_source = berrylm_tests::fixtures_dir().join("tiny-hf/model");
-    for file in ["tokenizer.json", "tokenizer_config.json"] {
+    let tokenizer_source = berrylm_tests::fixtures_dir().join("small-hybrid/model");
+    for file in ["tokenizer.json", "tokenizer_config.json", "model.safetensors"] {
         std::fs::copy(tokenizer_source.join(file), dir.join(file)).expect("copy tokenizer");
     }
     let result = TextModelBuilder::new(dir.display().to_string())
@@ -38,13 +39,19 @@ async fn registered_names_resolve_and_unknown_names_do_not() -> Result<()> {
     assert_eq!(registry.host.version, "0.8.1");
     for model_type in &registry.model.model_types {
         let config = serde_json::json!({ "model_type": model_type });
-        assert!(lookup_normal_loader(&config.to_string()).is_some(), "{model_type}");
+        assert!(
+            lookup_normal_loader(&config.to_string()).is_some(),
+            "{model_type}"
+        );
     }
     for architecture in &registry.model.architectures {
         let config = serde_json::json!({ "architectures": [architecture] });
-        assert!(lookup_normal_loader(&config.to_string()).is_some(), "{architecture}");
-        // Through the host's automatic loader the model is recognised and the
-        // load proceeds to the files, which this folder does not have.
+        assert!(
+            lookup_normal_loader(&config.to_string()).is_some(),
+            "{architecture}"
+        );
+        // Through the host's loader the model is recognised and the load
+        // proceeds to the weights, which do not fit the default config.
         let error = load_error(serde_json::json!({ "architectures": [architecture] })).await;
         assert!(!error.contains("Unsupported"), "{architecture}: {error}");
     }

@@ -27,7 +27,9 @@ fn serves_the_bundled_model_and_answers_like_the_reference() -> Result<()> {
     let (status, response) = server.post("/v1/chat/completions", &request)?;
     assert_eq!(status, 200, "{response}");
     let message = &response["choices"][0]["message"];
-    let reference = sequence["greedy_completion_text"].as_str().unwrap_or_default();
+    let reference = sequence["greedy_completion_text"]
+        .as_str()
+        .unwrap_or_default();
     let (reasoning, rest) = reference.split_once("</think>").unwrap_or(("", reference));
     let content = rest.trim_end_matches("<|im_end|>");
     assert_eq!(
@@ -35,7 +37,11 @@ fn serves_the_bundled_model_and_answers_like_the_reference() -> Result<()> {
         Some(reasoning.trim()),
         "{response}"
     );
-    assert_eq!(message["content"].as_str().map(str::trim), Some(content.trim()), "{response}");
+    assert_eq!(
+        message["content"].as_str().map(str::trim),
+        Some(content.trim()),
+        "{response}"
+    );
     Ok(())
 }
 
@@ -43,7 +49,7 @@ fn serves_the_bundled_model_and_answers_like_the_reference() -> Result<()> {
 /// own detection rejects) is served through the registry.
 #[test]
 fn serves_a_checkpoint_identified_by_model_type_alone() -> Result<()> {
-    let source = fixtures_dir().join("tiny-hf/model");
+    let source = fixtures_dir().join("small-hybrid/model");
     let dir = std::env::temp_dir().join(format!("berrylm-model-type-only-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     for entry in std::fs::read_dir(&source)? {
@@ -61,7 +67,7 @@ fn serves_a_checkpoint_identified_by_model_type_alone() -> Result<()> {
     let server = Server::start(&dir, &["--dtype", "f32"])?;
     let request = serde_json::json!({
         "model": "default",
-        "prompt": "w10 w11 w12",
+        "prompt": "Hello",
         "temperature": 0.0,
         "max_tokens": 4,
     });

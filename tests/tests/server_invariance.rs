@@ -10,11 +10,11 @@ use anyhow::Result;
 use berrylm_tests::fixtures_dir;
 use berrylm_tests::server::Server;
 
-/// Word-level prompts for the tiny-hf fixture: every `wN` is one token, so
-/// prompts with the same number of words have the same length.
+/// Prompts of space-separated digits for the trained-tiny fixture: prompts
+/// with the same number of digits tokenize to the same length.
 fn prompt(seed: usize, words: usize) -> String {
     (0..words)
-        .map(|i| format!("w{}", 10 + (seed * 7 + i * 13) % 85))
+        .map(|i| ((seed * 7 + i * 3) % 10).to_string())
         .collect::<Vec<_>>()
         .join(" ")
 }
@@ -35,7 +35,10 @@ fn complete(server: &Server, prompt: &str, max_tokens: usize) -> Result<String> 
 }
 
 fn start() -> Result<Server> {
-    Server::start(&fixtures_dir().join("tiny-hf/model"), &["--dtype", "f32"])
+    Server::start(
+        &fixtures_dir().join("trained-tiny/model"),
+        &["--dtype", "f32"],
+    )
 }
 
 /// Largest batch the model ran, from its debug log.
@@ -52,7 +55,13 @@ fn concurrent_requests_give_the_tokens_each_gives_alone() -> Result<()> {
     let server = start()?;
     // 16 prompts: 8 distinct lengths, and 8 of one length (batched together).
     let prompts: Vec<String> = (0..16)
-        .map(|i| if i < 8 { prompt(i, 3 + 2 * i) } else { prompt(i, 6) })
+        .map(|i| {
+            if i < 8 {
+                prompt(i, 3 + 2 * i)
+            } else {
+                prompt(i, 6)
+            }
+        })
         .collect();
     let alone: Vec<String> = prompts
         .iter()
@@ -70,10 +79,16 @@ fn concurrent_requests_give_the_tokens_each_gives_alone() -> Result<()> {
             .collect::<Result<Vec<_>>>()
     })?;
     for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
-        assert_eq!(a, t, "prompt {i}: concurrent output differs from the output alone");
+        assert_eq!(
+            a, t,
+            "prompt {i}: concurrent output differs from the output alone"
+        );
     }
     let batch = largest_batch(&server.log());
-    assert!(batch > 1, "the scheduler never batched sequences (largest batch {batch})");
+    assert!(
+        batch > 1,
+        "the scheduler never batched sequences (largest batch {batch})"
+    );
     Ok(())
 }
 
@@ -101,6 +116,8 @@ fn a_long_request_is_not_disturbed_by_requests_around_it() -> Result<()> {
     let long_prompt = prompt(42, 10);
     let alone = complete(&server, &long_prompt, 160)?;
 
+    // A reference, so that the spawned closures copy it rather than move the server.
+    let server = &server;
     let disturbed = thread::scope(|scope| -> Result<String> {
         let long = scope.spawn(|| complete(&server, &long_prompt, 160));
         for round in 0..6 {

@@ -88,16 +88,33 @@ fn reasoning_and_typed_tool_calls_come_back_streamed_and_not() -> Result<()> {
         Some("The user asks about the weather in Oslo. I should call get_weather."),
         "{response}"
     );
-    assert!(message["content"].as_str().unwrap_or_default().trim().is_empty(), "{response}");
-    let calls = message["tool_calls"].as_array().cloned().unwrap_or_default();
+    assert!(
+        message["content"]
+            .as_str()
+            .unwrap_or_default()
+            .trim()
+            .is_empty(),
+        "{response}"
+    );
+    let calls = message["tool_calls"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
     assert_eq!(calls.len(), 1, "{response}");
     assert_eq!(calls[0]["type"], json!("function"));
-    assert!(calls[0]["id"].as_str().is_some_and(|id| !id.is_empty()), "{response}");
+    assert!(
+        calls[0]["id"].as_str().is_some_and(|id| !id.is_empty()),
+        "{response}"
+    );
     assert_eq!(calls[0]["function"]["name"], json!("get_weather"));
-    assert_eq!(arguments(&calls[0]["function"]["arguments"]), json!({"city": "Oslo"}));
+    assert_eq!(
+        arguments(&calls[0]["function"]["arguments"]),
+        json!({"city": "Oslo"})
+    );
 
     // Streaming: the same message, assembled from deltas.
-    let (status, chunks) = server.post_stream("/v1/chat/completions", &chat_request(weather, true))?;
+    let (status, chunks) =
+        server.post_stream("/v1/chat/completions", &chat_request(weather, true))?;
     assert_eq!(status, 200);
     let (streamed, finish_reason) = assemble(&chunks);
     assert_eq!(finish_reason.as_deref(), Some("tool_calls"), "{chunks:?}");
@@ -105,16 +122,29 @@ fn reasoning_and_typed_tool_calls_come_back_streamed_and_not() -> Result<()> {
         streamed["reasoning_content"].as_str().map(str::trim),
         Some("The user asks about the weather in Oslo. I should call get_weather.")
     );
-    assert_eq!(streamed["tool_calls"][0]["name"], json!("get_weather"), "{chunks:?}");
-    assert_eq!(arguments(&streamed["tool_calls"][0]["arguments"]), json!({"city": "Oslo"}));
+    assert_eq!(
+        streamed["tool_calls"][0]["name"],
+        json!("get_weather"),
+        "{chunks:?}"
+    );
+    assert_eq!(
+        arguments(&streamed["tool_calls"][0]["arguments"]),
+        json!({"city": "Oslo"})
+    );
 
     // Thinking disabled: no reasoning, a get_time call.
-    let (status, response) =
-        server.post("/v1/chat/completions", &chat_request(time_without_thinking, false))?;
+    let (status, response) = server.post(
+        "/v1/chat/completions",
+        &chat_request(time_without_thinking, false),
+    )?;
     assert_eq!(status, 200, "{response}");
     let message = &response["choices"][0]["message"];
     assert!(message["reasoning_content"].is_null(), "{response}");
-    assert_eq!(message["tool_calls"][0]["function"]["name"], json!("get_time"), "{response}");
+    assert_eq!(
+        message["tool_calls"][0]["function"]["name"],
+        json!("get_time"),
+        "{response}"
+    );
     assert_eq!(
         arguments(&message["tool_calls"][0]["function"]["arguments"]),
         json!({"city": "Lima"})
@@ -122,11 +152,15 @@ fn reasoning_and_typed_tool_calls_come_back_streamed_and_not() -> Result<()> {
 
     // Without tools: reasoning then content, streamed.
     let greeting = &fixture.facts["sequences"][1];
-    let (status, chunks) = server.post_stream("/v1/chat/completions", &chat_request(greeting, true))?;
+    let (status, chunks) =
+        server.post_stream("/v1/chat/completions", &chat_request(greeting, true))?;
     assert_eq!(status, 200);
     let (streamed, finish_reason) = assemble(&chunks);
     assert_eq!(finish_reason.as_deref(), Some("stop"), "{chunks:?}");
-    assert_eq!(streamed["reasoning_content"].as_str().map(str::trim), Some("The user greets me."));
+    assert_eq!(
+        streamed["reasoning_content"].as_str().map(str::trim),
+        Some("The user greets me.")
+    );
     assert_eq!(
         streamed["content"].as_str().map(str::trim),
         Some("Hello! How can I help you today?")

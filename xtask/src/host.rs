@@ -63,7 +63,10 @@ pub fn pristine_sources(repo: &Repo, seam: &Seam) -> Result<BTreeMap<String, Pat
         missing |= find_pristine(&host_crate.name, &seam.host_version)?.is_none();
     }
     if missing {
-        println!("xtask: fetching host crates {} from crates.io", seam.host_version);
+        println!(
+            "xtask: fetching host crates {} from crates.io",
+            seam.host_version
+        );
         let status = Command::new(crate::cargo())
             .args(["fetch", "--manifest-path"])
             .arg(repo.root.join("host/pristine/Cargo.toml"))

@@ -45,7 +45,9 @@ fn main() -> ExitCode {
 }
 
 fn run(args: Vec<String>) -> Result<()> {
-    let (command, rest) = args.split_first().map_or(("help", &[][..]), |(c, r)| (c.as_str(), r));
+    let (command, rest) = args
+        .split_first()
+        .map_or(("help", &[][..]), |(c, r)| (c.as_str(), r));
     let repo = Repo::locate()?;
     match command {
         "prepare" => host::prepare(&repo),
@@ -193,9 +195,11 @@ fn test(repo: &Repo) -> Result<()> {
     let python = python_with_openai_client()?;
     run_step(
         "testing xtask (the seam tool)",
-        Command::new(cargo())
-            .current_dir(&repo.root)
-            .args(["test", "--manifest-path", "xtask/Cargo.toml"]),
+        Command::new(cargo()).current_dir(&repo.root).args([
+            "test",
+            "--manifest-path",
+            "xtask/Cargo.toml",
+        ]),
     )?;
     build_workspace(repo, &options)?;
     run_step(
@@ -206,6 +210,7 @@ fn test(repo: &Repo) -> Result<()> {
             .args([
                 "test",
                 "--release",
+                "--no-fail-fast",
                 "--workspace",
                 "--features",
                 &options.features(),
@@ -235,7 +240,10 @@ fn serve(repo: &Repo, args: &[String]) -> Result<()> {
     check_model_dir(&model)?;
     host::prepare(repo)?;
     build_workspace(repo, &options)?;
-    println!("xtask: serving {} on http://127.0.0.1:{port}", model.display());
+    println!(
+        "xtask: serving {} on http://127.0.0.1:{port}",
+        model.display()
+    );
     let status = Command::new(host_binary(&options))
         .args(["serve", "--host", "127.0.0.1", "--port", &port, "-m"])
         .arg(&model)
@@ -264,7 +272,9 @@ fn align(repo: &Repo, args: &[String]) -> Result<()> {
     }
     host::prepare(repo)?;
     build_workspace(repo, &options)?;
-    let binary = target_dir(options.cuda).join("release").join("berrylm-align");
+    let binary = target_dir(options.cuda)
+        .join("release")
+        .join("berrylm-align");
     let status = Command::new(&binary)
         .args(args)
         .status()
@@ -290,7 +300,9 @@ fn bench(repo: &Repo, args: &[String]) -> Result<()> {
     }
     host::prepare(repo)?;
     build_workspace(repo, &options)?;
-    let binary = target_dir(options.cuda).join("release").join("berrylm-bench");
+    let binary = target_dir(options.cuda)
+        .join("release")
+        .join("berrylm-bench");
     let status = Command::new(&binary)
         .args(args)
         .status()

@@ -46,7 +46,8 @@ pub fn run(options: &ParseOptions) -> Result<()> {
         Some(path) => {
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("reading {}", path.display()))?;
-            serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?
+            serde_json::from_str(&text)
+                .with_context(|| format!("{} is not JSON", path.display()))?
         }
         None => serde_json::Value::Null,
     };

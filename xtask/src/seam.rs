@@ -110,11 +110,7 @@ impl Seam {
 }
 
 /// Applies one edit to `content`, checking that its anchor occurs exactly once.
-pub fn apply_edit(
-    content: &str,
-    edit: &Edit,
-    host_version: &str,
-) -> Result<String, SeamError> {
+pub fn apply_edit(content: &str, edit: &Edit, host_version: &str) -> Result<String, SeamError> {
     let found = content.matches(edit.anchor.as_str()).count();
     let start = match content.find(edit.anchor.as_str()) {
         Some(start) if found == 1 => start,
@@ -131,7 +127,9 @@ pub fn apply_edit(
     };
     let end = start + edit.anchor.len();
     let line_start = content[..start].rfind('\n').map_or(0, |i| i + 1);
-    let line_end = content[end..].find('\n').map_or(content.len(), |i| end + i + 1);
+    let line_end = content[end..]
+        .find('\n')
+        .map_or(content.len(), |i| end + i + 1);
     let text = edit.text.trim_start_matches('\n');
     let mut out = String::with_capacity(content.len() + text.len() + 1);
     match edit.kind {
@@ -186,7 +184,11 @@ pub fn apply(
         let out_root = out.join(&host_crate.name);
         let mut generated: BTreeMap<PathBuf, Vec<u8>> = BTreeMap::new();
         collect_files(source_root, source_root, &mut generated)?;
-        for edit in seam.edits.iter().filter(|e| e.crate_name == host_crate.name) {
+        for edit in seam
+            .edits
+            .iter()
+            .filter(|e| e.crate_name == host_crate.name)
+        {
             let key = PathBuf::from(&edit.file);
             let bytes = generated.get(&key).ok_or_else(|| SeamError::Anchor {
                 edit: edit.name.clone(),

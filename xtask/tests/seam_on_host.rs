@@ -64,8 +64,11 @@ fn an_altered_anchor_line_names_the_edit_and_the_host_version() {
     let lib = altered["mistralrs-core"].join("src/lib.rs");
     let text = std::fs::read_to_string(&lib).expect("lib.rs");
     assert_eq!(text.matches("pub mod reasoning_parsers;").count(), 1);
-    std::fs::write(&lib, text.replace("pub mod reasoning_parsers;", "pub mod reasoning;"))
-        .expect("alter lib.rs");
+    std::fs::write(
+        &lib,
+        text.replace("pub mod reasoning_parsers;", "pub mod reasoning;"),
+    )
+    .expect("alter lib.rs");
 
     let out = scratch("altered-out");
     let seam_dir = repo.seam_file().parent().expect("host/").to_path_buf();

@@ -18,12 +18,17 @@ use candle_core::cuda_backend::CudaStorageSlice;
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Shape, Storage, Tensor};
 
-use crate::{invalid_argument, KernelError, Result};
+use crate::{invalid_argument, KdaPrefillAlgorithm, KernelError, Result};
 
 /// Dtype codes understood by the kernels (`berrylm::DTypeCode` in common.cuh).
 const DTYPE_F32: c_int = 0;
 const DTYPE_BF16: c_int = 1;
 const DTYPE_F16: c_int = 2;
+
+/// Values of `berrylm_kda_recurrence`'s `prefill_algorithm` argument
+/// (`berrylm::recurrence::PrefillAlgorithm` in recurrence.cu).
+const PREFILL_SEQUENTIAL: c_int = 0;
+const PREFILL_CHUNKED: c_int = 1;
 
 /// The most sources `attn_res_mix` takes on CUDA (`kMaxSources` in attn_res.cu).
 pub(crate) const MAX_ATTN_RES_SOURCES: usize = 32;
@@ -79,6 +84,7 @@ extern "C" {
         value_heads: c_int,
         key_dim: c_int,
         value_dim: c_int,
+        prefill_algorithm: c_int,
         stream: *mut c_void,
     ) -> c_int;
 
@@ -382,8 +388,11 @@ pub(crate) fn causal_conv1d(
     ))
 }
 
-/// Sizes of one `kda_recurrence` call.
-pub(crate) struct RecurrenceSizes {
+/// Sizes and prefill algorithm of one `kda_recurrence_with` call.
+pub(crate) struct RecurrenceParams {
+    /// Applied by the kernel launcher to calls with `T > 1` (see
+    /// `berrylm_kda_recurrence` in recurrence.cu).
+    pub algorithm: KdaPrefillAlgorithm,
     pub batch: usize,
     pub seq_len: usize,
     pub key_heads: usize,
@@ -392,7 +401,7 @@ pub(crate) struct RecurrenceSizes {
     pub value_dim: usize,
 }
 
-/// CUDA `kda_recurrence`; arguments already validated by the caller.
+/// CUDA `kda_recurrence_with`; arguments already validated by the caller.
 pub(crate) fn kda_recurrence(
     q: &Tensor,
     k: &Tensor,
@@ -400,17 +409,18 @@ pub(crate) fn kda_recurrence(
     g: &Tensor,
     beta: &Tensor,
     state: &Tensor,
-    sizes: &RecurrenceSizes,
+    params: &RecurrenceParams,
 ) -> Result<(Tensor, Tensor)> {
     const OP: &str = "kda_recurrence";
-    let RecurrenceSizes {
+    let RecurrenceParams {
+        algorithm,
         batch,
         seq_len,
         key_heads,
         value_heads,
         key_dim,
         value_dim,
-    } = *sizes;
+    } = *params;
     // SAFETY: a plain query of a constant.
     let max_key_dim = unsafe { berrylm_kda_recurrence_max_key_dim() } as usize;
     if key_dim > max_key_dim {
@@ -427,6 +437,10 @@ pub(crate) fn kda_recurrence(
             format!("batch {batch} or value heads {value_heads} exceed the CUDA kernel's 65535"),
         ));
     }
+    let prefill_algorithm = match algorithm {
+        KdaPrefillAlgorithm::Sequential => PREFILL_SEQUENTIAL,
+        KdaPrefillAlgorithm::Chunked => PREFILL_CHUNKED,
+    };
     let launch = Launch::new(cuda_device(OP, q)?)?;
     // q, k and v share one dtype in the kernel; mixed dtypes are widened to
     // f32 (exact).
@@ -468,6 +482,7 @@ pub(crate) fn kda_recurrence(
                 c_size(OP, "v", value_heads)?,
                 c_size(OP, "q", key_dim)?,
                 c_size(OP, "v", value_dim)?,
+                prefill_algorithm,
                 launch.raw_stream(),
             )
         };

@@ -10,10 +10,10 @@
 // whole call: it is read from global memory once and written once.
 //
 // Three paths:
-// * `chunked` (prefill, dk <= 128, dv <= 128; opt-in with
-//   BERRYLM_KDA_PREFILL_KERNEL=chunked): see the section below. Correct (the
-//   CUDA tests pass with it forced) but, as written, slower than `tiles` on
-//   the H200, so not the default.
+// * `chunked` (prefill, T > 1, dk <= 128, dv <= 128; only when the caller
+//   passes prefill_algorithm = kPrefillChunked): see the section below.
+//   Correct (the CUDA tests run every recurrence case with it) but, as
+//   written, slower than `tiles` on the H200, so not the default.
 // * `tiles` (any T, any dk <= 256, any dv; the default for T > 1): one block
 //   per (b, h, tile of 32 value columns); lane l owns column 32 * tile + l,
 //   warp w owns R rows.
@@ -28,9 +28,11 @@
 //   so every block reads and writes one contiguous region. Chosen for
 //   B * Hv >= 128 (about one block per SM or more); the `tiles` kernel, with
 //   4x more blocks, serves smaller decode batches.
-#include <stdlib.h>
-#include <string.h>
-
+//
+// The decode kernel (rows or tiles) is chosen only by that size and
+// alignment rule; the prefill algorithm is the caller's explicit choice
+// (`prefill_algorithm` of berrylm_kda_recurrence). Nothing here reads the
+// environment.
 #include "common.cuh"
 
 namespace berrylm::recurrence {
@@ -341,8 +343,10 @@ __global__ void __launch_bounds__(kRowsWarps * 32, 2)
 
 // -------------------------------------------------------------- chunked
 //
-// Prefill in chunks of L = 64 tokens (dk <= 128, dv <= 128), opt-in. With G_i = cumsum of g inside the chunk (per key channel) and
-// the chunk's initial state S0, the recurrence unrolls to
+// Prefill in chunks of L = 64 tokens (dk <= 128, dv <= 128), opt-in through
+// prefill_algorithm = kPrefillChunked. With G_i = cumsum of g inside the
+// chunk (per key channel) and the chunk's initial state S0, the recurrence
+// unrolls to
 //   S_i = diag(exp(G_i)) S0 + sum_{j<=i} diag(exp(G_i - G_j)) k^_j d_j^T
 //   d   = X_v - X_k S0,   X = [X_k | X_v] solving (I + diag(beta) A) X = diag(beta) [K~ | V]
 //   A_ij = sum_c k^_i[c] k^_j[c] exp(G_i[c] - G_j[c])   (j < i)
@@ -364,8 +368,6 @@ __global__ void __launch_bounds__(kRowsWarps * 32, 2)
 // Kernel 2 (`chunk_state`, one block per (b, h, tile of 32 value columns))
 // walks the chunks in order with its state tile in shared memory:
 // d = X_v - X_k S, O = Q~ S + Bm d, S = exp(G_last) * S + Ke^T d.
-
-int chunk_stages_override();
 
 constexpr int kChunk = 64;
 constexpr int kChunkMaxDk = 128;
@@ -688,19 +690,10 @@ int launch_chunked(const RecurrenceArgs& args, int batch, cudaStream_t stream) {
     void* scratch = nullptr;
     err = cudaMallocAsync(&scratch, bytes, stream);
     if (err != cudaSuccess) return static_cast<int>(err);
-    // BERRYLM_KDA_CHUNK_STAGES=prepare|state runs one kernel only (timing
-    // experiments; the results are then garbage).
-    const int stages = chunk_stages_override();
-    if (stages != 2) {
-        kda_chunk_prepare<T><<<dim3(num_chunks, args.value_heads, batch), kChunkThreads,
-                               kPrepareSmem, stream>>>(args, static_cast<float*>(scratch),
-                                                       num_chunks);
-    }
-    if (stages != 1) {
-        kda_chunk_state<<<dim3((args.value_dim + 31) / 32, args.value_heads, batch),
-                          kChunkThreads, kStateSmem, stream>>>(
-            args, static_cast<const float*>(scratch), num_chunks);
-    }
+    kda_chunk_prepare<T><<<dim3(num_chunks, args.value_heads, batch), kChunkThreads, kPrepareSmem,
+                           stream>>>(args, static_cast<float*>(scratch), num_chunks);
+    kda_chunk_state<<<dim3((args.value_dim + 31) / 32, args.value_heads, batch), kChunkThreads,
+                      kStateSmem, stream>>>(args, static_cast<const float*>(scratch), num_chunks);
     const int status = berrylm::launch_status();
     err = cudaFreeAsync(scratch, stream);
     if (status != 0) return status;
@@ -709,31 +702,9 @@ int launch_chunked(const RecurrenceArgs& args, int batch, cudaStream_t stream) {
 
 // ------------------------------------------------------------- dispatch
 
-// Kernel choice overrides for benchmarks and tests, read once per process:
-// BERRYLM_KDA_DECODE_KERNEL=tiles|rows, BERRYLM_KDA_PREFILL_KERNEL=sequential|chunked,
-// BERRYLM_KDA_CHUNK_STAGES=prepare|state (timing only: wrong results).
-int env_choice(const char* name, const char* first, const char* second) {
-    const char* v = getenv(name);
-    if (v == nullptr) return 0;
-    if (strcmp(v, first) == 0) return 1;
-    if (strcmp(v, second) == 0) return 2;
-    return 0;
-}
-
-int decode_override() {
-    static const int mode = env_choice("BERRYLM_KDA_DECODE_KERNEL", "tiles", "rows");
-    return mode;
-}
-
-int prefill_override() {
-    static const int mode = env_choice("BERRYLM_KDA_PREFILL_KERNEL", "sequential", "chunked");
-    return mode;
-}
-
-int chunk_stages_override() {
-    static const int mode = env_choice("BERRYLM_KDA_CHUNK_STAGES", "prepare", "state");
-    return mode;
-}
+// Values of berrylm_kda_recurrence's `prefill_algorithm` argument. Must match
+// `PREFILL_*` in src/cuda/mod.rs.
+enum PrefillAlgorithm : int { kPrefillSequential = 0, kPrefillChunked = 1 };
 
 template <typename T, int NW, int R, int CH>
 int launch_tiles(const RecurrenceArgs& args, int batch, cudaStream_t stream) {
@@ -743,24 +714,24 @@ int launch_tiles(const RecurrenceArgs& args, int batch, cudaStream_t stream) {
 }
 
 template <typename T>
-int launch(const RecurrenceArgs& args, int batch, cudaStream_t stream) {
+int launch(const RecurrenceArgs& args, int batch, PrefillAlgorithm prefill, cudaStream_t stream) {
+    // Decode: `rows` when its shape and alignment constraints hold and the
+    // grid has about one block per SM or more, else `tiles`.
     const bool aligned = (reinterpret_cast<uintptr_t>(args.state_in) % 16 == 0) &&
                          (reinterpret_cast<uintptr_t>(args.state_out) % 16 == 0);
     const bool rows_ok = args.seq_len == 1 && args.value_dim == kRowsDv &&
                          args.key_dim <= kRowsWarps * kRowsPerWarp && aligned;
-    const int mode = decode_override();
-    const bool use_rows =
-        rows_ok && (mode == 2 || (mode == 0 && static_cast<long long>(batch) * args.value_heads >= 128));
-    if (use_rows) {
+    if (rows_ok && static_cast<long long>(batch) * args.value_heads >= 128) {
         const dim3 grid(args.value_heads, batch);
         kda_decode_rows<T><<<grid, kRowsWarps * 32, 0, stream>>>(args);
         return berrylm::launch_status();
     }
-    // The chunked path is opt-in: on the H200 it measured slower than the
-    // sequential `tiles` kernel (CUDA.md), so the default stays sequential.
+    // Prefill: the chunked kernels only when asked for and the shape fits;
+    // on the H200 they measured slower than the sequential `tiles` kernel
+    // (CUDA.md), which is why callers default to sequential.
     const bool chunked_ok = args.seq_len > 1 && args.key_dim <= kChunkMaxDk &&
                             args.value_dim <= kChunkMaxDv;
-    if (chunked_ok && prefill_override() == 2) {
+    if (prefill == kPrefillChunked && chunked_ok) {
         return launch_chunked<T>(args, batch, stream);
     }
     const int dk = args.key_dim;
@@ -779,20 +750,32 @@ using namespace berrylm::recurrence;
 extern "C" int berrylm_kda_recurrence_max_key_dim() { return 256; }
 
 // q, k, v share `qkv_dtype`; g, beta and the states are f32.
+//
+// `prefill_algorithm` selects how calls with T > 1 are computed:
+//   0 (kPrefillSequential): the token-by-token `tiles` kernel (the default of
+//     the Rust API, measured faster on the H200);
+//   1 (kPrefillChunked): the chunked WY kernels when dk <= 128 and
+//     dv <= 128; larger heads use the sequential kernel.
+// Calls with T <= 1 (decode, empty) ignore it. Any other value is rejected
+// with cudaErrorInvalidValue.
 extern "C" int berrylm_kda_recurrence(int qkv_dtype, const void* q, const void* k, const void* v,
                                       const float* g, const float* beta, const float* state_in,
                                       float* out, float* state_out, int batch, int seq_len,
                                       int key_heads, int value_heads, int key_dim, int value_dim,
-                                      void* stream) {
+                                      int prefill_algorithm, void* stream) {
+    if (prefill_algorithm != kPrefillSequential && prefill_algorithm != kPrefillChunked) {
+        return static_cast<int>(cudaErrorInvalidValue);
+    }
     if (batch == 0 || value_heads == 0 || key_dim == 0 || value_dim == 0) return 0;
     if (batch > 65535 || value_heads > 65535 || key_heads <= 0 ||
         value_heads % key_heads != 0 || key_dim > 256) {
         return static_cast<int>(cudaErrorInvalidValue);
     }
+    const PrefillAlgorithm prefill = static_cast<PrefillAlgorithm>(prefill_algorithm);
     RecurrenceArgs args{q,       k,         v,       g,         beta,        state_in,
                         out,     state_out, seq_len, key_heads, value_heads, key_dim,
                         value_dim, static_cast<float>(1.0 / sqrt(static_cast<double>(key_dim)))};
     cudaStream_t s = static_cast<cudaStream_t>(stream);
-    BERRYLM_DISPATCH_DTYPE(qkv_dtype, T, { return launch<T>(args, batch, s); });
+    BERRYLM_DISPATCH_DTYPE(qkv_dtype, T, { return launch<T>(args, batch, prefill, s); });
     return 0;
 }

@@ -1,5 +1,6 @@
 use berrylm_kernels::{
-    attn_res_mix, causal_conv1d, gated_rms_norm, kda_gate, kda_recurrence, KernelError, Result,
+    attn_res_mix, causal_conv1d, gated_rms_norm, kda_gate, kda_recurrence, kda_recurrence_with,
+    KdaPrefillAlgorithm, KernelError, Result,
 };
 use candle_core::{DType, Device, Tensor};
 
@@ -105,6 +106,16 @@ fn kda_recurrence_rejects_bad_arguments() {
     );
     let short_v = zeros(&[b, t - 1, hv, dv]);
     assert_rejects(kda_recurrence(&q, &q, &short_v, &g, &beta, &state), op, "v");
+    for algorithm in [
+        KdaPrefillAlgorithm::Sequential,
+        KdaPrefillAlgorithm::Chunked,
+    ] {
+        assert_rejects(
+            kda_recurrence_with(algorithm, &q, &bad_k, &v, &g, &beta, &state),
+            op,
+            "k",
+        );
+    }
 }
 
 #[test]

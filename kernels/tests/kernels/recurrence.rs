@@ -1,4 +1,4 @@
-use berrylm_kernels::{kda_recurrence, Result};
+use berrylm_kernels::{kda_recurrence, kda_recurrence_with, KdaPrefillAlgorithm, Result};
 use candle_core::{DType, Tensor};
 
 use crate::common::{assert_close, assert_identical, f32_values, f64_values, tensor, Rng};
@@ -305,5 +305,32 @@ fn bf16_inputs_are_within_bf16_tolerance_of_f32() -> Result<()> {
     assert_eq!(output.dtype(), DType::F32);
     assert_close(&f32_values(&output)?, &f64_values(&f32_output)?, 2e-2, 2e-2);
     assert_close(&f32_values(&state)?, &f64_values(&f32_state)?, 2e-2, 2e-2);
+    Ok(())
+}
+
+#[test]
+fn prefill_algorithm_does_not_change_cpu_results() -> Result<()> {
+    assert_eq!(
+        KdaPrefillAlgorithm::default(),
+        KdaPrefillAlgorithm::Sequential
+    );
+    let inputs = inputs(10, HF_TEST_SIZES, false)?;
+    let (output, state) = run(&inputs)?;
+    for algorithm in [
+        KdaPrefillAlgorithm::Sequential,
+        KdaPrefillAlgorithm::Chunked,
+    ] {
+        let (algorithm_output, algorithm_state) = kda_recurrence_with(
+            algorithm,
+            &inputs.q,
+            &inputs.k,
+            &inputs.v,
+            &inputs.g,
+            &inputs.beta,
+            &inputs.state,
+        )?;
+        assert_identical(&algorithm_output, &output)?;
+        assert_identical(&algorithm_state, &state)?;
+    }
     Ok(())
 }

@@ -1,9 +1,8 @@
 //! Gated full attention: q/k (1+w) norms before partial NeoX RoPE, GQA, and a
 //! sigmoid output gate taken from the doubled, per-head interleaved `q_proj`.
 
-use candle_core::{Module, Result, Tensor};
-use candle_nn::ops::sigmoid;
-use mistralrs_core::layers::Sdpa;
+use candle_core::{DType, Module, Result, Tensor};
+use candle_nn::ops::{sigmoid, softmax_last_dim};
 use mistralrs_core::plugin_api::{
     FlashParams, KvCache, PagedAttention, PagedAttentionInputMetadata, SdpaParams,
 };
@@ -56,7 +55,13 @@ impl GatedAttention {
             q_proj: Linear::load(&attn, "q_proj", hidden, q_rows, bias)?,
             k_proj: Linear::load(&attn, "k_proj", hidden, kv_rows, bias)?,
             v_proj: Linear::load(&attn, "v_proj", hidden, kv_rows, bias)?,
-            o_proj: Linear::load(&attn, "o_proj", cfg.num_attention_heads * head_dim, hidden, bias)?,
+            o_proj: Linear::load(
+                &attn,
+                "o_proj",
+                cfg.num_attention_heads * head_dim,
+                hidden,
+                bias,
+            )?,
             q_norm: OffsetRmsNorm::load(&attn, "q_norm", head_dim, cfg.rms_norm_eps)?,
             k_norm: OffsetRmsNorm::load(&attn, "k_norm", head_dim, cfg.rms_norm_eps)?,
             num_heads: cfg.num_attention_heads,
@@ -87,30 +92,34 @@ impl GatedAttention {
     ) -> Result<Tensor> {
         let (batch, seq_len, _) = x.dims3()?;
         let (q, gate) = if self.output_gate {
-            let q2 = self
-                .q_proj
-                .forward(x)?
-                .reshape((batch, seq_len, self.num_heads, 2 * self.head_dim))?;
+            let q2 = self.q_proj.forward(x)?.reshape((
+                batch,
+                seq_len,
+                self.num_heads,
+                2 * self.head_dim,
+            ))?;
             let q = q2.narrow(3, 0, self.head_dim)?;
-            let gate = q2
-                .narrow(3, self.head_dim, self.head_dim)?
-                .reshape((batch, seq_len, self.num_heads * self.head_dim))?;
+            let gate = q2.narrow(3, self.head_dim, self.head_dim)?.reshape((
+                batch,
+                seq_len,
+                self.num_heads * self.head_dim,
+            ))?;
             (q, Some(gate))
         } else {
-            let q = self
-                .q_proj
-                .forward(x)?
-                .reshape((batch, seq_len, self.num_heads, self.head_dim))?;
+            let q =
+                self.q_proj
+                    .forward(x)?
+                    .reshape((batch, seq_len, self.num_heads, self.head_dim))?;
             (q, None)
         };
-        let k = self
-            .k_proj
-            .forward(x)?
-            .reshape((batch, seq_len, self.num_kv_heads, self.head_dim))?;
-        let v = self
-            .v_proj
-            .forward(x)?
-            .reshape((batch, seq_len, self.num_kv_heads, self.head_dim))?;
+        let k =
+            self.k_proj
+                .forward(x)?
+                .reshape((batch, seq_len, self.num_kv_heads, self.head_dim))?;
+        let v =
+            self.v_proj
+                .forward(x)?
+                .reshape((batch, seq_len, self.num_kv_heads, self.head_dim))?;
         let q = rope.apply(&self.q_norm.forward(&q)?, cos, sin)?;
         let k = rope.apply(&self.k_norm.forward(&k)?, cos, sin)?;
 
@@ -118,7 +127,13 @@ impl GatedAttention {
         let k = k.transpose(1, 2)?.contiguous()?;
         let v = v.transpose(1, 2)?.contiguous()?;
         let attended = match (kv, &self.paged) {
-            (AttentionKv::Paged { key_value, metadata }, Some(paged)) => paged.forward(
+            (
+                AttentionKv::Paged {
+                    key_value,
+                    metadata,
+                },
+                Some(paged),
+            ) => paged.forward(
                 &q,
                 &k,
                 &v,
@@ -130,19 +145,54 @@ impl GatedAttention {
                 Some(flash_params),
             )?,
             (AttentionKv::Paged { .. }, None) => {
-                candle_core::bail!("paged KV blocks were given to a layer built without paged attention")
+                candle_core::bail!(
+                    "paged KV blocks were given to a layer built without paged attention"
+                )
             }
             (AttentionKv::Contiguous(cache), _) => {
                 let (k, v) = cache.append(&k, &v)?;
-                Sdpa.run_attention(&q, &k, &v, mask, Some(flash_params), &self.sdpa_params)?
+                self.eager_attention(&q, &k, &v, mask)?
             }
         };
-        let mut out = attended
-            .transpose(1, 2)?
-            .reshape((batch, seq_len, self.num_heads * self.head_dim))?;
+        let mut out =
+            attended
+                .transpose(1, 2)?
+                .reshape((batch, seq_len, self.num_heads * self.head_dim))?;
         if let Some(gate) = gate {
             out = (out * sigmoid(&gate)?)?;
         }
         self.o_proj.forward(&out)
+    }
+
+    /// The reference's eager attention: `softmax(q k^T * scale + mask)` in f32,
+    /// times `v`, each query head reading KV head `h / groups`. `q` is
+    /// `[B, heads, T, hd]`, `k`/`v` `[B, kv_heads, L, hd]`, the mask `[T, L]`.
+    fn eager_attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let groups = self.sdpa_params.n_kv_groups;
+        let repeat = |t: &Tensor| -> Result<Tensor> {
+            if groups == 1 {
+                return t.contiguous();
+            }
+            let (b, kv_heads, len, dim) = t.dims4()?;
+            t.unsqueeze(2)?
+                .broadcast_as((b, kv_heads, groups, len, dim))?
+                .contiguous()?
+                .reshape((b, kv_heads * groups, len, dim))
+        };
+        let (k, v) = (repeat(k)?, repeat(v)?);
+        let scores = (q.contiguous()?.matmul(&k.t()?.contiguous()?)?
+            * f64::from(self.sdpa_params.softmax_scale))?;
+        let scores = match mask {
+            Some(mask) => scores.broadcast_add(&mask.to_dtype(scores.dtype())?)?,
+            None => scores,
+        };
+        let probs = softmax_last_dim(&scores.to_dtype(DType::F32)?)?.to_dtype(q.dtype())?;
+        probs.matmul(&v)
     }
 }

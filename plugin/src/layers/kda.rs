@@ -103,19 +103,31 @@ impl Kda {
         .reshape((batch, seq_len, self.num_value_heads, self.key_head_dim))?;
 
         let conv_state_dtype = state.conv.dtype();
-        let (mixed, conv_state) =
-            berrylm_kernels::causal_conv1d(&mixed, &self.conv_weight, &state.conv.to_dtype(dtype)?)?;
+        let (mixed, conv_state) = berrylm_kernels::causal_conv1d(
+            &mixed,
+            &self.conv_weight,
+            &state.conv.to_dtype(dtype)?,
+        )?;
         state.conv = conv_state.to_dtype(conv_state_dtype)?;
 
-        let q = mixed
-            .narrow(2, 0, key_dim)?
-            .reshape((batch, seq_len, self.num_key_heads, self.key_head_dim))?;
-        let k = mixed
-            .narrow(2, key_dim, key_dim)?
-            .reshape((batch, seq_len, self.num_key_heads, self.key_head_dim))?;
-        let v = mixed
-            .narrow(2, 2 * key_dim, value_dim)?
-            .reshape((batch, seq_len, self.num_value_heads, self.value_head_dim))?;
+        let q = mixed.narrow(2, 0, key_dim)?.reshape((
+            batch,
+            seq_len,
+            self.num_key_heads,
+            self.key_head_dim,
+        ))?;
+        let k = mixed.narrow(2, key_dim, key_dim)?.reshape((
+            batch,
+            seq_len,
+            self.num_key_heads,
+            self.key_head_dim,
+        ))?;
+        let v = mixed.narrow(2, 2 * key_dim, value_dim)?.reshape((
+            batch,
+            seq_len,
+            self.num_value_heads,
+            self.value_head_dim,
+        ))?;
         let (out, recurrent) = berrylm_kernels::kda_recurrence(
             &q,
             &k,

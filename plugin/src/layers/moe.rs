@@ -43,7 +43,8 @@ impl SparseMoe {
         let inter = cfg.moe_intermediate_size;
         let experts_weights = mlp.pp("experts");
         let experts = if experts_weights.contains("gate_up_proj") {
-            let gate_up = experts_weights.get((cfg.num_experts, 2 * inter, hidden), "gate_up_proj")?;
+            let gate_up =
+                experts_weights.get((cfg.num_experts, 2 * inter, hidden), "gate_up_proj")?;
             let down = experts_weights.get((cfg.num_experts, hidden, inter), "down_proj")?;
             (0..cfg.num_experts)
                 .map(|e| {
@@ -59,8 +60,11 @@ impl SparseMoe {
                 .map(|e| load_split_expert(&experts_weights.pp(e), hidden, inter))
                 .collect::<crate::error::Result<Vec<_>>>()?
         };
-        let shared_expert =
-            load_split_expert(&mlp.pp("shared_expert"), hidden, cfg.shared_expert_intermediate_size)?;
+        let shared_expert = load_split_expert(
+            &mlp.pp("shared_expert"),
+            hidden,
+            cfg.shared_expert_intermediate_size,
+        )?;
         Ok(SparseMoe {
             router: Linear::load(&mlp, "gate", hidden, cfg.num_experts, false)?,
             experts,
@@ -79,14 +83,19 @@ impl SparseMoe {
         let probs: Vec<Vec<f32>> = probs.to_vec2()?;
 
         // Tokens and (renormalised, dtype-rounded) weights per expert.
-        let mut routed: Vec<(Vec<u32>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); self.experts.len()];
+        let mut routed: Vec<(Vec<u32>, Vec<f32>)> =
+            vec![(Vec::new(), Vec::new()); self.experts.len()];
         for (token, row) in probs.iter().enumerate() {
             let mut order: Vec<usize> = (0..row.len()).collect();
             order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
             let chosen = &order[..self.top_k];
             let total: f32 = chosen.iter().map(|&e| row[e]).sum();
             for &expert in chosen {
-                let weight = if self.norm_topk_prob { row[expert] / total } else { row[expert] };
+                let weight = if self.norm_topk_prob {
+                    row[expert] / total
+                } else {
+                    row[expert]
+                };
                 routed[expert].0.push(token as u32);
                 routed[expert].1.push(weight);
             }
@@ -100,7 +109,8 @@ impl SparseMoe {
             let count = tokens.len();
             let index = Tensor::from_vec(tokens, count, x.device())?;
             let expert_out = expert.forward(&x.index_select(&index, 0)?)?;
-            let token_weights = Tensor::from_vec(token_weights, (count, 1), x.device())?.to_dtype(dtype)?;
+            let token_weights =
+                Tensor::from_vec(token_weights, (count, 1), x.device())?.to_dtype(dtype)?;
             let weighted = expert_out.broadcast_mul(&token_weights)?;
             out = out.index_add(&index, &weighted, 0)?;
         }
@@ -111,7 +121,11 @@ impl SparseMoe {
     }
 }
 
-fn load_split_expert(weights: &Weights, hidden: usize, inter: usize) -> crate::error::Result<Expert> {
+fn load_split_expert(
+    weights: &Weights,
+    hidden: usize,
+    inter: usize,
+) -> crate::error::Result<Expert> {
     let gate = weights.pp("gate_proj").get((inter, hidden), "weight")?;
     let up = weights.pp("up_proj").get((inter, hidden), "weight")?;
     Ok(Expert {

@@ -1,5 +1,8 @@
 //! Partial NeoX rotary embedding: the first `rotary_dim` channels of each head
 //! rotate (channel j pairs with j + rotary_dim/2), the rest pass through.
+//! As in transformers, `base_dim = int(head_dim * partial_rotary_factor)` sets
+//! the frequencies `theta^(-2j/base_dim)` for `j < ceil(base_dim / 2)`, and the
+//! rotated width is twice their count (so an odd `base_dim` rotates one more).
 
 use candle_core::{DType, Device, Result, Tensor, D};
 
@@ -11,21 +14,26 @@ pub struct PartialRotaryEmbedding {
 }
 
 impl PartialRotaryEmbedding {
-    pub fn new(theta: f64, rotary_dim: usize) -> PartialRotaryEmbedding {
-        let inv_freq = (0..rotary_dim / 2)
+    pub fn new(theta: f64, base_dim: usize) -> PartialRotaryEmbedding {
+        let inv_freq: Vec<f32> = (0..base_dim.div_ceil(2))
             .map(|j| {
-                let exponent = (2 * j) as f32 / rotary_dim as f32;
+                let exponent = (2 * j) as f32 / base_dim as f32;
                 1.0 / (theta as f32).powf(exponent)
             })
             .collect();
         PartialRotaryEmbedding {
+            rotary_dim: 2 * inv_freq.len(),
             inv_freq,
-            rotary_dim,
         }
     }
 
     /// cos and sin `[T, rotary_dim]` for the given absolute positions, in `dtype`.
-    pub fn cos_sin(&self, positions: &[usize], dtype: DType, device: &Device) -> Result<(Tensor, Tensor)> {
+    pub fn cos_sin(
+        &self,
+        positions: &[usize],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<(Tensor, Tensor)> {
         let half = self.rotary_dim / 2;
         let mut angles = Vec::with_capacity(positions.len() * self.rotary_dim);
         for &position in positions {
@@ -34,7 +42,10 @@ impl PartialRotaryEmbedding {
             angles.extend_from_slice(&row);
         }
         let angles = Tensor::from_vec(angles, (positions.len(), 2 * half), device)?;
-        Ok((angles.cos()?.to_dtype(dtype)?, angles.sin()?.to_dtype(dtype)?))
+        Ok((
+            angles.cos()?.to_dtype(dtype)?,
+            angles.sin()?.to_dtype(dtype)?,
+        ))
     }
 
     /// Rotates `x` `[B, T, heads, head_dim]` with cos/sin `[B, T, rotary_dim]`.

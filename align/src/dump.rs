@@ -1,0 +1,43 @@
+//! `--dump`: our logits of every teacher-forced mode and our greedy tokens, as safetensors.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use candle_core::{Device, Tensor};
+
+use crate::modes::{Golden, TeacherForced};
+
+/// Writes `seq{i}.prefill.logits`, `seq{i}.incremental.logits`, `seq{i}.chunked.logits`
+/// (f32 `[T, vocab]`, for the modes that ran) and `gen.output_ids` (i64): the
+/// greedy tokens of the Driver (argmax with the cache, the same model, dtype
+/// and device; the engine only returns text, and re-tokenizing text does not
+/// give back the ids exactly).
+pub fn save(
+    path: &Path,
+    golden: &Golden,
+    runs: &TeacherForced,
+    greedy_tokens: Option<&[u32]>,
+) -> Result<()> {
+    let mut tensors: HashMap<String, Tensor> = HashMap::new();
+    for (mode, logits) in [
+        ("prefill", &runs.prefill),
+        ("incremental", &runs.incremental),
+        ("chunked", &runs.chunked),
+    ] {
+        if let Ok(logits) = logits {
+            for (sequence, logits) in golden.sequences.iter().zip(logits) {
+                tensors.insert(format!("{}.{mode}.logits", sequence.name), logits.clone());
+            }
+        }
+    }
+    if let Some(tokens) = greedy_tokens {
+        let ids: Vec<i64> = tokens.iter().map(|&id| i64::from(id)).collect();
+        tensors.insert(
+            "gen.output_ids".into(),
+            Tensor::new(ids.as_slice(), &Device::Cpu)?,
+        );
+    }
+    candle_core::safetensors::save(&tensors, path)
+        .with_context(|| format!("writing {}", path.display()))
+}

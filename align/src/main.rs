@@ -1,0 +1,101 @@
+//! `berrylm-align`: how closely the berrylm plugin reproduces the transformers
+//! reference on a golden file, in every way the engine runs the model
+//! (one-shot prefill, prefill then teacher-forced decode, chunked prefill,
+//! free-running greedy through the host engine), next to the reference's own
+//! bfloat16 noise. See docs/alignment.md.
+
+mod args;
+mod dump;
+mod modes;
+mod report;
+mod stats;
+
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+
+use crate::args::{Args, USAGE};
+use crate::modes::Golden;
+use crate::report::{Report, Run};
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    match run().await {
+        Ok(code) => code,
+        Err(error) => {
+            eprintln!("berrylm-align: error: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Exit status when the report was written but some mode could not run.
+const SOME_MODE_FAILED: u8 = 2;
+
+async fn run() -> Result<ExitCode> {
+    let Some(args) = Args::parse(std::env::args().skip(1))? else {
+        print!("{USAGE}");
+        return Ok(ExitCode::SUCCESS);
+    };
+    let device = args.device.open()?;
+    let golden = Golden::load(&args.golden)?;
+
+    // Teacher-forced modes and the Driver's greedy run, on fresh host caches.
+    // A mode that cannot run is reported as failed; the others still run.
+    let model = berrylm::driver::load_checkpoint(&args.model, args.dtype.candle(), &device)
+        .with_context(|| format!("loading {}", args.model.display()));
+    let runs = modes::teacher_forced(&model, &golden);
+    let driver_tokens = match &model {
+        Ok(model) => match modes::driver_greedy(model, &golden.prompt_ids, golden.output_ids.len())
+        {
+            Ok(tokens) => Some(tokens),
+            Err(error) => {
+                eprintln!(
+                    "berrylm-align: greedy decoding with the driver failed: {}",
+                    modes::error_line(&error)
+                );
+                None
+            }
+        },
+        Err(_) => None,
+    };
+    drop(model);
+
+    // Free-running greedy through the host engine.
+    berrylm::register().context("registering berrylm in the host")?;
+    let greedy = modes::engine_greedy(
+        &args.model,
+        args.dtype,
+        args.device,
+        &golden,
+        driver_tokens.as_deref(),
+    )
+    .await
+    .context("greedy generation through the host engine");
+
+    let report = Report::build(
+        Run {
+            model: args.model_name(),
+            model_dir: args.model.display().to_string(),
+            golden: args.golden.display().to_string(),
+            dtype: args.dtype.name().into(),
+            device: args.device.name().into(),
+        },
+        &golden,
+        &runs,
+        greedy,
+    );
+    print!("{}", report.table());
+    if let Some(path) = &args.json {
+        let json = serde_json::to_string_pretty(&report)?;
+        std::fs::write(path, json + "\n").with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(path) = &args.dump {
+        dump::save(path, &golden, &runs, driver_tokens.as_deref())?;
+    }
+    Ok(if report.failures().is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(SOME_MODE_FAILED)
+    })
+}

@@ -1,0 +1,285 @@
+//! The measurements: the model's prefill and decode steps through the plugin's
+//! `Driver`, one KDA layer's kernels, and the device's copy bandwidth. Every
+//! clock is read after `Device::synchronize`.
+
+use std::time::Instant;
+
+use anyhow::Result;
+use berrylm::driver::Driver;
+use berrylm::model::BerryLm;
+use candle_core::{DType, Device, Tensor};
+
+use crate::shape::ModelShape;
+
+/// Seconds per call of `call`: after two warm-up calls, as many back-to-back
+/// calls as fit in `budget_s` (at least 3), one synchronisation at the end.
+pub fn time_calls(
+    device: &Device,
+    budget_s: f64,
+    mut call: impl FnMut() -> Result<()>,
+) -> Result<f64> {
+    for _ in 0..2 {
+        call()?;
+    }
+    device.synchronize()?;
+    let start = Instant::now();
+    call()?;
+    device.synchronize()?;
+    let once = start.elapsed().as_secs_f64().max(1e-7);
+    let iterations = ((budget_s / once) as usize).clamp(3, 20_000);
+    let start = Instant::now();
+    for _ in 0..iterations {
+        call()?;
+    }
+    device.synchronize()?;
+    Ok(start.elapsed().as_secs_f64() / iterations as f64)
+}
+
+/// Deterministic pseudo-random token ids (splitmix64).
+pub fn token_ids(count: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
+    (0..count)
+        .map(|_| {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            (z % vocab as u64) as u32
+        })
+        .collect()
+}
+
+/// Median of a non-empty sample.
+pub fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let mid = sorted.len() / 2;
+    if sorted.len() % 2 == 1 {
+        sorted[mid]
+    } else {
+        (sorted[mid - 1] + sorted[mid]) / 2.0
+    }
+}
+
+pub fn mean(values: &[f64]) -> f64 {
+    values.iter().sum::<f64>() / values.len() as f64
+}
+
+/// A batch-1 prefill of `tokens` tokens, timed `repeats` times on fresh caches
+/// after one untimed run: seconds of each forward (embeddings to the LM head of
+/// the last position, as the engine runs a prompt).
+pub fn prefill(model: &BerryLm, tokens: usize, repeats: usize, seed: u64) -> Result<Vec<f64>> {
+    let device = model.device();
+    let ids = token_ids(tokens, model.config().vocab_size, seed);
+    let mut seconds = Vec::with_capacity(repeats);
+    for run in 0..=repeats {
+        let mut driver = Driver::new(model, 1)?;
+        device.synchronize()?;
+        let start = Instant::now();
+        let logits = driver.step_last(&[&ids])?;
+        device.synchronize()?;
+        let elapsed = start.elapsed().as_secs_f64();
+        check_logits(&logits, 1)?;
+        if run > 0 {
+            seconds.push(elapsed);
+        }
+    }
+    Ok(seconds)
+}
+
+/// Decoding at `batch` sequences: a prefill of `context` tokens per sequence,
+/// `warmup` untimed steps, then `steps` timed steps; seconds of each timed step.
+pub fn decode(
+    model: &BerryLm,
+    batch: usize,
+    context: usize,
+    warmup: usize,
+    steps: usize,
+    seed: u64,
+) -> Result<Vec<f64>> {
+    let device = model.device();
+    let vocab = model.config().vocab_size;
+    let mut driver = Driver::new(model, batch)?;
+    let prompts: Vec<Vec<u32>> = (0..batch)
+        .map(|row| token_ids(context, vocab, seed ^ ((row as u64 + 1) << 32)))
+        .collect();
+    let chunks: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+    check_logits(&driver.step_last(&chunks)?, batch)?;
+    let next = token_ids(batch * (warmup + steps), vocab, seed.wrapping_add(7));
+    let mut seconds = Vec::with_capacity(steps);
+    for (step, tokens) in next.chunks(batch).enumerate() {
+        let rows: Vec<&[u32]> = tokens.chunks(1).collect();
+        device.synchronize()?;
+        let start = Instant::now();
+        let logits = driver.step_last(&rows)?;
+        device.synchronize()?;
+        let elapsed = start.elapsed().as_secs_f64();
+        if step >= warmup {
+            seconds.push(elapsed);
+        }
+        if step + 1 == warmup + steps {
+            check_logits(&logits, batch)?;
+        }
+    }
+    Ok(seconds)
+}
+
+/// A benchmark whose logits are NaN or of the wrong shape measured nothing.
+fn check_logits(logits: &Tensor, batch: usize) -> Result<()> {
+    let (rows, _) = logits.dims2()?;
+    anyhow::ensure!(
+        rows == batch,
+        "logits have {rows} rows for {batch} sequences"
+    );
+    let sum = logits.sum_all()?.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+    anyhow::ensure!(sum.is_finite(), "the logits are not finite ({sum})");
+    Ok(())
+}
+
+/// The kernels of one KDA layer (and the AttnRes mix before it) timed by
+/// [`kernel_times`], in table order.
+pub const KERNEL_OPS: [&str; 6] = [
+    "kda_gate",
+    "causal_conv1d",
+    "kda_recurrence",
+    "gated_rms_norm",
+    "attn_res_mix (2 sources)",
+    "attn_res_mix (6 sources)",
+];
+
+/// Seconds per call of each of [`KERNEL_OPS`] on random inputs of one KDA
+/// layer's shapes for `batch` sequences of `seq_len` tokens, in the dtypes the
+/// model passes (activations and parameters in `dtype`; gate, beta and the
+/// recurrent state in f32). AttnRes mixes 2 sources (layers 0-7) and 6 (the
+/// last block of the 40-layer model).
+pub fn kernel_times(
+    shape: &ModelShape,
+    dtype: DType,
+    device: &Device,
+    batch: usize,
+    seq_len: usize,
+    budget_s: f64,
+) -> Result<Vec<f64>> {
+    let tokens = batch * seq_len;
+    let (hk, hv, dk, dv) = (
+        shape.key_heads,
+        shape.value_heads,
+        shape.key_dim,
+        shape.value_dim,
+    );
+    let normal = |dims: &[usize], std: f32, dtype: DType| -> Result<Tensor> {
+        Ok(Tensor::randn(0f32, std, dims, device)?.to_dtype(dtype)?)
+    };
+    let uniform = |dims: &[usize], lo: f32, hi: f32, dtype: DType| -> Result<Tensor> {
+        Ok(Tensor::rand(lo, hi, dims, device)?.to_dtype(dtype)?)
+    };
+    let mut times = Vec::with_capacity(KERNEL_OPS.len());
+
+    let raw = normal(&[tokens, shape.gate_dim()], 0.5, dtype)?;
+    let a_log = uniform(&[hv], 1.0, 16.0, DType::F32)?
+        .log()?
+        .to_dtype(dtype)?;
+    let dt_bias = uniform(&[shape.gate_dim()], -7.0, -2.3, dtype)?;
+    times.push(time_calls(device, budget_s, || {
+        drop(berrylm_kernels::kda_gate(&raw, &a_log, &dt_bias, hv, None)?);
+        Ok(())
+    })?);
+
+    let x = normal(&[batch, seq_len, shape.conv_dim()], 1.0, dtype)?;
+    let weight = uniform(&[shape.conv_dim(), shape.conv_kernel], -0.5, 0.5, dtype)?;
+    let state = normal(&[batch, shape.conv_dim(), shape.conv_kernel], 1.0, dtype)?;
+    times.push(time_calls(device, budget_s, || {
+        drop(berrylm_kernels::causal_conv1d(&x, &weight, &state)?);
+        Ok(())
+    })?);
+
+    let q = normal(&[batch, seq_len, hk, dk], 1.0, dtype)?;
+    let k = normal(&[batch, seq_len, hk, dk], 1.0, dtype)?;
+    let v = normal(&[batch, seq_len, hv, dv], 1.0, dtype)?;
+    let g = uniform(&[batch, seq_len, hv, dk], -1.0, 0.0, DType::F32)?;
+    let beta = uniform(&[batch, seq_len, hv], 0.0, 1.0, DType::F32)?;
+    let recurrent = normal(&[batch, hv, dk, dv], 0.1, DType::F32)?;
+    times.push(time_calls(device, budget_s, || {
+        drop(berrylm_kernels::kda_recurrence(
+            &q, &k, &v, &g, &beta, &recurrent,
+        )?);
+        Ok(())
+    })?);
+
+    let rows = tokens * hv;
+    let out = normal(&[rows, dv], 1.0, dtype)?;
+    let z = normal(&[rows, dv], 1.0, dtype)?;
+    let norm_weight = uniform(&[dv], 0.9, 1.1, dtype)?;
+    times.push(time_calls(device, budget_s, || {
+        drop(berrylm_kernels::gated_rms_norm(
+            &out,
+            &z,
+            &norm_weight,
+            1e-6,
+        )?);
+        Ok(())
+    })?);
+
+    let pseudo_query = normal(&[shape.hidden], 0.02, dtype)?;
+    for count in [2, 6] {
+        let sources = (0..count)
+            .map(|_| normal(&[tokens, shape.hidden], 1.0, dtype))
+            .collect::<Result<Vec<_>>>()?;
+        times.push(time_calls(device, budget_s, || {
+            drop(berrylm_kernels::attn_res_mix(
+                &sources,
+                &pseudo_query,
+                Some(0.05),
+                1e-6,
+            )?);
+            Ok(())
+        })?);
+    }
+    Ok(times)
+}
+
+/// Bytes per second of a device-to-device copy of `bytes` bytes, counting the
+/// bytes read plus the bytes written (`2 * bytes` per copy); also returns the
+/// seconds per copy.
+pub fn copy_bandwidth(device: &Device, bytes: usize, budget_s: f64) -> Result<(f64, f64)> {
+    let source = Tensor::ones(bytes / 4, DType::F32, device)?;
+    let seconds = time_calls(device, budget_s, || {
+        drop(source.copy()?);
+        Ok(())
+    })?;
+    Ok((2.0 * (bytes / 4 * 4) as f64 / seconds, seconds))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_ids_are_deterministic_and_in_range() {
+        let a = token_ids(1000, 2048, 3);
+        assert_eq!(a, token_ids(1000, 2048, 3));
+        assert_ne!(a, token_ids(1000, 2048, 4));
+        assert!(a.iter().all(|&id| id < 2048));
+        let distinct: std::collections::HashSet<u32> = a.iter().copied().collect();
+        assert!(distinct.len() > 300);
+    }
+
+    #[test]
+    fn statistics() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert_eq!(mean(&[1.0, 2.0, 6.0]), 3.0);
+    }
+
+    #[test]
+    fn every_kernel_runs_on_the_cpu() {
+        let shape = ModelShape::tiny(1);
+        for (batch, seq_len) in [(2, 1), (1, 9)] {
+            let times =
+                kernel_times(&shape, DType::BF16, &Device::Cpu, batch, seq_len, 1e-3).unwrap();
+            assert_eq!(times.len(), KERNEL_OPS.len());
+            assert!(times.iter().all(|t| t.is_finite() && *t > 0.0), "{times:?}");
+        }
+    }
+}

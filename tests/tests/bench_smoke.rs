@@ -1,0 +1,166 @@
+//! The benchmark tool (`berrylm-bench`, the binary behind `cargo xtask bench`)
+//! on the CPU at the tiny shape: it builds the random model under the
+//! checkpoint's names, runs every measurement and reports positive, finite
+//! figures for every requested size, in its table and in its JSON.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use serde_json::Value;
+
+/// `berrylm-bench` built beside the tests (next to the host CLI);
+/// `BERRYLM_BENCH_BIN` overrides it.
+fn bench_binary() -> Result<PathBuf> {
+    if let Some(path) = std::env::var_os("BERRYLM_BENCH_BIN") {
+        return Ok(PathBuf::from(path));
+    }
+    let exe = std::env::current_exe()?;
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .context("test binary has no profile folder")?;
+    let candidate = profile_dir.join("berrylm-bench");
+    anyhow::ensure!(
+        candidate.is_file(),
+        "berrylm-bench is not built at {}: run `cargo xtask test`",
+        candidate.display()
+    );
+    Ok(candidate)
+}
+
+fn positive(value: &Value, what: &str) -> f64 {
+    let number = value
+        .as_f64()
+        .unwrap_or_else(|| panic!("{what} is not a number: {value}"));
+    assert!(
+        number.is_finite() && number > 0.0,
+        "{what} is not positive and finite: {number}"
+    );
+    number
+}
+
+#[test]
+fn tiny_cpu_run_reports_every_requested_figure() -> Result<()> {
+    let out = std::env::temp_dir().join(format!("berrylm-bench-test-{}", std::process::id()));
+    std::fs::create_dir_all(&out)?;
+    let json_path = out.join("bench.json");
+    let output = std::process::Command::new(bench_binary()?)
+        .args([
+            "--device",
+            "cpu",
+            "--tiny",
+            "--layers",
+            "4",
+            "--prefill",
+            "16,24",
+            "--decode",
+            "1,3",
+            "--context",
+            "8",
+            "--steps",
+            "4",
+            "--warmup",
+            "1",
+            "--repeats",
+            "2",
+            "--kernel-tokens",
+            "32",
+            "--kernel-ms",
+            "5",
+            "--copy-mib",
+            "8",
+            "--json",
+        ])
+        .arg(&json_path)
+        .output()
+        .context("running berrylm-bench")?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "berrylm-bench failed ({}):\n{stdout}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    for heading in [
+        "## Prefill",
+        "## Decode",
+        "## KDA layer kernels",
+        "## Weight-read floor",
+    ] {
+        assert!(stdout.contains(heading), "no `{heading}` table:\n{stdout}");
+    }
+    assert!(stdout.contains("[KDA,KDA,KDA,attn]x1"), "{stdout}");
+
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(&json_path)?)?;
+    assert_eq!(report["errors"], Value::Array(Vec::new()), "{report:#}");
+    assert_eq!(report["shape"]["attention_layers"], 1);
+    // The CPU's default: candle's CPU matmul has no bf16.
+    assert_eq!(report["dtype"], "f32");
+
+    let prefill = report["prefill"].as_array().context("prefill")?;
+    assert_eq!(prefill.len(), 2);
+    for (figure, tokens) in prefill.iter().zip([16, 24]) {
+        assert_eq!(figure["tokens"], tokens);
+        assert_eq!(figure["runs_ms"].as_array().map(Vec::len), Some(2));
+        let ms = positive(&figure["forward_ms"], "prefill forward_ms");
+        let rate = positive(&figure["tokens_per_s"], "prefill tokens_per_s");
+        assert!((rate * ms / 1e3 - tokens as f64).abs() < 1e-6 * tokens as f64);
+    }
+
+    let decode = report["decode"].as_array().context("decode")?;
+    assert_eq!(decode.len(), 2);
+    for (figure, batch) in decode.iter().zip([1, 3]) {
+        assert_eq!(figure["batch"], batch);
+        assert_eq!(figure["step_ms"].as_array().map(Vec::len), Some(4));
+        let ms = positive(&figure["ms_per_step"], "decode ms_per_step");
+        let rate = positive(&figure["tokens_per_s"], "decode tokens_per_s");
+        assert!((rate * ms / 1e3 - batch as f64).abs() < 1e-6 * batch as f64);
+        positive(&figure["floor"]["ms_per_step"], "decode floor");
+    }
+
+    let floor = &report["decode_floor_batch1"];
+    positive(&floor["ms_per_step"], "batch-1 floor");
+    positive(&report["bandwidth"]["read_write_bytes_per_s"], "bandwidth");
+    // A batch-1 step reads every non-expert weight, 2 of the 8 experts of each
+    // layer and one embedding row.
+    let parameters = &report["parameters"];
+    let expected = (parameters["dense"].as_f64().unwrap()
+        + parameters["routed_experts"].as_f64().unwrap() * 2.0 / 8.0
+        + 256.0)
+        * 4.0;
+    let weight_bytes = positive(&floor["weight_bytes"], "batch-1 weight bytes");
+    assert!(
+        (weight_bytes - expected).abs() <= 1e-9 * expected,
+        "{weight_bytes} != {expected}"
+    );
+
+    let kernels = report["kernels"].as_array().context("kernels")?;
+    let cases: Vec<(String, u64, u64)> = kernels
+        .iter()
+        .map(|k| {
+            (
+                k["phase"].as_str().unwrap_or_default().to_string(),
+                k["batch"].as_u64().unwrap_or_default(),
+                k["tokens"].as_u64().unwrap_or_default(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        cases,
+        vec![
+            ("decode".to_string(), 1, 1),
+            ("decode".to_string(), 3, 1),
+            ("prefill".to_string(), 1, 32)
+        ]
+    );
+    for case in kernels {
+        let ops = case["us"].as_object().context("kernel times")?;
+        assert_eq!(ops.len(), 6, "{case}");
+        for (op, us) in ops {
+            positive(us, op);
+        }
+        positive(&case["kda_layer_ops_us"], "KDA layer sum");
+    }
+    std::fs::remove_dir_all(&out).ok();
+    Ok(())
+}
