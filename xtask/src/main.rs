@@ -60,8 +60,8 @@ fn run(args: Vec<String>) -> Result<()> {
         "serve" => serve(&repo, rest),
         "install" => install(&repo, &BuildOptions::parse(rest)?),
         "parse" => xtask::parse::run(&xtask::parse::ParseOptions::parse(rest)?),
-        "align" => align(&repo, rest),
-        "bench" => bench(&repo, rest),
+        "align" => run_built_tool(&repo, "berrylm-align", rest),
+        "bench" => run_built_tool(&repo, "berrylm-bench", rest),
         "help" | "--help" | "-h" => {
             print!("{USAGE}");
             Ok(())
@@ -256,10 +256,10 @@ fn serve(repo: &Repo, args: &[String]) -> Result<()> {
     Ok(())
 }
 
-/// Builds the workspace (with CUDA for `--device cuda`) and runs the built
-/// `berrylm-align` binary with the arguments unchanged (not `cargo run`, which
-/// could resolve features differently and rebuild the host).
-fn align(repo: &Repo, args: &[String]) -> Result<()> {
+/// Builds the workspace (with CUDA when the arguments say `--device cuda`) and
+/// runs the built workspace binary `name` with the arguments unchanged (not
+/// `cargo run`, which could resolve features differently and rebuild the host).
+fn run_built_tool(repo: &Repo, name: &str, args: &[String]) -> Result<()> {
     let mut options = BuildOptions::default();
     let mut iter = args.iter();
     while let Some(arg) = iter.next() {
@@ -272,43 +272,13 @@ fn align(repo: &Repo, args: &[String]) -> Result<()> {
     }
     host::prepare(repo)?;
     build_workspace(repo, &options)?;
-    let binary = target_dir(options.cuda)
-        .join("release")
-        .join("berrylm-align");
+    let binary = target_dir(options.cuda).join("release").join(name);
     let status = Command::new(&binary)
         .args(args)
         .status()
         .with_context(|| format!("starting {}", binary.display()))?;
     if !status.success() {
-        bail!("berrylm-align exited with {status}");
-    }
-    Ok(())
-}
-
-/// Builds the workspace (with CUDA for `--device cuda`) and runs the built
-/// `berrylm-bench` binary with the arguments unchanged.
-fn bench(repo: &Repo, args: &[String]) -> Result<()> {
-    let mut options = BuildOptions::default();
-    let mut iter = args.iter();
-    while let Some(arg) = iter.next() {
-        let device = match arg.strip_prefix("--device=") {
-            Some(device) => Some(device),
-            None if arg == "--device" => iter.next().map(String::as_str),
-            None => None,
-        };
-        options.cuda |= device == Some("cuda");
-    }
-    host::prepare(repo)?;
-    build_workspace(repo, &options)?;
-    let binary = target_dir(options.cuda)
-        .join("release")
-        .join("berrylm-bench");
-    let status = Command::new(&binary)
-        .args(args)
-        .status()
-        .with_context(|| format!("starting {}", binary.display()))?;
-    if !status.success() {
-        bail!("berrylm-bench exited with {status}");
+        bail!("{name} exited with {status}");
     }
     Ok(())
 }

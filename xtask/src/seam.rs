@@ -53,17 +53,21 @@ pub enum EditKind {
     Replace,
 }
 
+/// An edit whose anchor does not occur exactly once.
+#[derive(Debug)]
+pub struct AnchorMismatch {
+    pub edit: String,
+    pub crate_name: String,
+    pub host_version: String,
+    pub file: String,
+    pub found: usize,
+    pub anchor: String,
+}
+
 /// Why the seam could not be applied.
 #[derive(Debug)]
 pub enum SeamError {
-    Anchor {
-        edit: String,
-        crate_name: String,
-        host_version: String,
-        file: String,
-        found: usize,
-        anchor: String,
-    },
+    Anchor(Box<AnchorMismatch>),
     Io {
         path: PathBuf,
         source: std::io::Error,
@@ -74,19 +78,22 @@ pub enum SeamError {
 impl fmt::Display for SeamError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            SeamError::Anchor {
-                edit,
-                crate_name,
-                host_version,
-                file,
-                found,
-                anchor,
-            } => write!(
+            SeamError::Anchor(mismatch) => {
+                let AnchorMismatch {
+                    edit,
+                    crate_name,
+                    host_version,
+                    file,
+                    found,
+                    anchor,
+                } = mismatch.as_ref();
+                write!(
                 f,
                 "host seam does not fit {crate_name} {host_version}: edit \"{edit}\" expects its anchor \
                  exactly once in {file}, found it {found} times. The host sources changed; port the \
                  edit (docs/host-seam.md, \"Porting\"). Anchor:\n{anchor}"
-            ),
+                )
+            }
             SeamError::Io { path, source } => write!(f, "{}: {source}", path.display()),
             SeamError::Invalid(message) => write!(f, "host/seam.toml: {message}"),
         }
@@ -115,14 +122,14 @@ pub fn apply_edit(content: &str, edit: &Edit, host_version: &str) -> Result<Stri
     let start = match content.find(edit.anchor.as_str()) {
         Some(start) if found == 1 => start,
         _ => {
-            return Err(SeamError::Anchor {
+            return Err(SeamError::Anchor(Box::new(AnchorMismatch {
                 edit: edit.name.clone(),
                 crate_name: edit.crate_name.clone(),
                 host_version: host_version.to_string(),
                 file: edit.file.clone(),
                 found,
                 anchor: edit.anchor.clone(),
-            })
+            })))
         }
     };
     let end = start + edit.anchor.len();
@@ -190,13 +197,15 @@ pub fn apply(
             .filter(|e| e.crate_name == host_crate.name)
         {
             let key = PathBuf::from(&edit.file);
-            let bytes = generated.get(&key).ok_or_else(|| SeamError::Anchor {
-                edit: edit.name.clone(),
-                crate_name: edit.crate_name.clone(),
-                host_version: seam.host_version.clone(),
-                file: edit.file.clone(),
-                found: 0,
-                anchor: edit.anchor.clone(),
+            let bytes = generated.get(&key).ok_or_else(|| {
+                SeamError::Anchor(Box::new(AnchorMismatch {
+                    edit: edit.name.clone(),
+                    crate_name: edit.crate_name.clone(),
+                    host_version: seam.host_version.clone(),
+                    file: edit.file.clone(),
+                    found: 0,
+                    anchor: edit.anchor.clone(),
+                }))
             })?;
             let content = String::from_utf8_lossy(bytes).into_owned();
             let patched = apply_edit(&content, edit, &seam.host_version)?;
