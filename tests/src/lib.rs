@@ -101,42 +101,33 @@ pub fn max_abs(a: &Tensor) -> Result<f32> {
         .to_scalar::<f32>()?)
 }
 
-/// The path of the host CLI binary built beside the tests (`cargo xtask test`
-/// builds it and sets `BERRYLM_HOST_BIN`).
-pub fn host_binary() -> Result<PathBuf> {
-    if let Some(path) = std::env::var_os("BERRYLM_HOST_BIN") {
-        return Ok(PathBuf::from(path));
-    }
+/// A binary of the workspace, built beside the tests by `cargo xtask test`
+/// (the tests run from the same profile folder).
+pub fn workspace_binary(name: &str) -> Result<PathBuf> {
     let exe = std::env::current_exe()?;
     let profile_dir = exe
         .parent()
         .and_then(Path::parent)
         .context("test binary has no profile folder")?;
-    let candidate = profile_dir.join("mistralrs");
+    let candidate = profile_dir.join(name);
     anyhow::ensure!(
         candidate.is_file(),
-        "the host CLI is not built at {}: run `cargo xtask test`",
+        "{name} is not built at {}: run `cargo xtask test`",
         candidate.display()
     );
     Ok(candidate)
 }
 
-/// The path of the `berrylm-align` binary built beside the tests (next to the
-/// host CLI; `BERRYLM_ALIGN_BIN` overrides it).
-pub fn align_binary() -> Result<PathBuf> {
-    if let Some(path) = std::env::var_os("BERRYLM_ALIGN_BIN") {
-        return Ok(PathBuf::from(path));
+/// The host CLI (`BERRYLM_HOST_BIN`, set by `cargo xtask test`, or the one
+/// built beside the tests).
+pub fn host_binary() -> Result<PathBuf> {
+    match std::env::var_os("BERRYLM_HOST_BIN") {
+        Some(path) => Ok(PathBuf::from(path)),
+        None => workspace_binary("mistralrs"),
     }
-    let exe = std::env::current_exe()?;
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .context("test binary has no profile folder")?;
-    let candidate = profile_dir.join("berrylm-align");
-    anyhow::ensure!(
-        candidate.is_file(),
-        "berrylm-align is not built at {}: run `cargo xtask build`",
-        candidate.display()
-    );
-    Ok(candidate)
+}
+
+/// The alignment tool built beside the tests.
+pub fn align_binary() -> Result<PathBuf> {
+    workspace_binary("berrylm-align")
 }

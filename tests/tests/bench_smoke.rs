@@ -3,30 +3,8 @@
 //! checkpoint's names, runs every measurement and reports positive, finite
 //! figures for every requested size, in its table and in its JSON.
 
-use std::path::{Path, PathBuf};
-
 use anyhow::{Context, Result};
 use serde_json::Value;
-
-/// `berrylm-bench` built beside the tests (next to the host CLI);
-/// `BERRYLM_BENCH_BIN` overrides it.
-fn bench_binary() -> Result<PathBuf> {
-    if let Some(path) = std::env::var_os("BERRYLM_BENCH_BIN") {
-        return Ok(PathBuf::from(path));
-    }
-    let exe = std::env::current_exe()?;
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .context("test binary has no profile folder")?;
-    let candidate = profile_dir.join("berrylm-bench");
-    anyhow::ensure!(
-        candidate.is_file(),
-        "berrylm-bench is not built at {}: run `cargo xtask test`",
-        candidate.display()
-    );
-    Ok(candidate)
-}
 
 fn positive(value: &Value, what: &str) -> f64 {
     let number = value
@@ -44,7 +22,7 @@ fn tiny_cpu_run_reports_every_requested_figure() -> Result<()> {
     let out = std::env::temp_dir().join(format!("berrylm-bench-test-{}", std::process::id()));
     std::fs::create_dir_all(&out)?;
     let json_path = out.join("bench.json");
-    let output = std::process::Command::new(bench_binary()?)
+    let output = std::process::Command::new(berrylm_tests::workspace_binary("berrylm-bench")?)
         .args([
             "--device",
             "cpu",

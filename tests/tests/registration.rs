@@ -18,7 +18,11 @@ async fn load_error(config: serde_json::Value) -> String {
     std::fs::create_dir_all(&dir).expect("temp dir");
     std::fs::write(dir.join("config.json"), config.to_string()).expect("write config");
     let tokenizer_source = berrylm_tests::fixtures_dir().join("small-hybrid/model");
-    for file in ["tokenizer.json", "tokenizer_config.json", "model.safetensors"] {
+    for file in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "model.safetensors",
+    ] {
         std::fs::copy(tokenizer_source.join(file), dir.join(file)).expect("copy tokenizer");
     }
     let result = TextModelBuilder::new(dir.display().to_string())
