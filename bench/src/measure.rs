@@ -239,16 +239,45 @@ pub fn kernel_times(
     Ok(times)
 }
 
-/// Bytes per second of a device-to-device copy of `bytes` bytes, counting the
-/// bytes read plus the bytes written (`2 * bytes` per copy); also returns the
-/// seconds per copy.
-pub fn copy_bandwidth(device: &Device, bytes: usize, budget_s: f64) -> Result<(f64, f64)> {
-    let source = Tensor::ones(bytes / 4, DType::F32, device)?;
-    let seconds = time_calls(device, budget_s, || {
+/// One way of copying a large buffer on the device.
+pub struct CopyFigure {
+    pub method: &'static str,
+    /// Seconds per copy.
+    pub seconds: f64,
+    /// Bytes read plus bytes written per second.
+    pub bandwidth: f64,
+}
+
+/// Device-to-device copies of `bytes` bytes, timed two ways: `Tensor::copy`
+/// (a fresh output per copy; on CUDA a `cuMemcpyDtoD` from candle's stream-ordered
+/// pool) and `Tensor::slice_set` into a preallocated tensor (no allocation; on the
+/// CPU this avoids page-faulting a fresh buffer on every copy). The bandwidth
+/// counts the bytes read plus the bytes written (`2 * bytes` per copy).
+pub fn copy_bandwidth(device: &Device, bytes: usize, budget_s: f64) -> Result<Vec<CopyFigure>> {
+    let elements = bytes / 4;
+    let moved = 2.0 * (elements * 4) as f64;
+    let source = Tensor::ones(elements, DType::F32, device)?;
+    let destination = Tensor::zeros(elements, DType::F32, device)?;
+    let copy = time_calls(device, budget_s, || {
         drop(source.copy()?);
         Ok(())
     })?;
-    Ok((2.0 * (bytes / 4 * 4) as f64 / seconds, seconds))
+    let slice_set = time_calls(device, budget_s, || {
+        destination.slice_set(&source, 0, 0)?;
+        Ok(())
+    })?;
+    Ok(vec![
+        CopyFigure {
+            method: "Tensor::copy",
+            seconds: copy,
+            bandwidth: moved / copy,
+        },
+        CopyFigure {
+            method: "Tensor::slice_set",
+            seconds: slice_set,
+            bandwidth: moved / slice_set,
+        },
+    ])
 }
 
 #[cfg(test)]

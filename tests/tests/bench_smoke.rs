@@ -98,7 +98,14 @@ fn tiny_cpu_run_reports_every_requested_figure() -> Result<()> {
 
     let floor = &report["decode_floor_batch1"];
     positive(&floor["ms_per_step"], "batch-1 floor");
-    positive(&report["bandwidth"]["read_write_bytes_per_s"], "bandwidth");
+    let bandwidth = positive(&report["bandwidth"]["read_write_bytes_per_s"], "bandwidth");
+    let methods = report["bandwidth"]["methods"]
+        .as_array()
+        .context("copy methods")?;
+    assert_eq!(methods.len(), 2);
+    for method in methods {
+        assert!(positive(&method["read_write_bytes_per_s"], "copy bandwidth") <= bandwidth);
+    }
     // A batch-1 step reads every non-expert weight, 2 of the 8 experts of each
     // layer and one embedding row.
     let parameters = &report["parameters"];
