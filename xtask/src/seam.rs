@@ -1,7 +1,8 @@
 //! Applies the host seam (`host/seam.toml`) to pristine host crate sources.
 //!
 //! Each edit is located by an anchor that must occur exactly once in the
-//! pristine file. Output files are written only when their content changes, so
+//! pristine file (or exactly `occurrences` times, for a `replace` that changes
+//! every use of one construct). Output files are written only when their content changes, so
 //! re-applying an unchanged seam touches nothing and cargo rebuilds nothing.
 
 use std::collections::BTreeMap;
@@ -43,6 +44,14 @@ pub struct Edit {
     pub anchor: String,
     pub kind: EditKind,
     pub text: String,
+    /// How many times the anchor must occur; every occurrence is replaced.
+    /// More than one is allowed only for `replace`.
+    #[serde(default = "one")]
+    pub occurrences: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
@@ -53,13 +62,14 @@ pub enum EditKind {
     Replace,
 }
 
-/// An edit whose anchor does not occur exactly once.
+/// An edit whose anchor does not occur the expected number of times.
 #[derive(Debug)]
 pub struct AnchorMismatch {
     pub edit: String,
     pub crate_name: String,
     pub host_version: String,
     pub file: String,
+    pub expected: usize,
     pub found: usize,
     pub anchor: String,
 }
@@ -84,13 +94,18 @@ impl fmt::Display for SeamError {
                     crate_name,
                     host_version,
                     file,
+                    expected,
                     found,
                     anchor,
                 } = mismatch.as_ref();
+                let expected = match expected {
+                    1 => "exactly once".to_string(),
+                    n => format!("exactly {n} times"),
+                };
                 write!(
                 f,
                 "host seam does not fit {crate_name} {host_version}: edit \"{edit}\" expects its anchor \
-                 exactly once in {file}, found it {found} times. The host sources changed; port the \
+                 {expected} in {file}, found it {found} times. The host sources changed; port the \
                  edit (docs/host-seam.md, \"Porting\"). Anchor:\n{anchor}"
                 )
             }
@@ -116,36 +131,41 @@ impl Seam {
     }
 }
 
-/// Applies one edit to `content`, checking that its anchor occurs exactly once.
+fn anchor_mismatch(edit: &Edit, host_version: &str, found: usize) -> SeamError {
+    SeamError::Anchor(Box::new(AnchorMismatch {
+        edit: edit.name.clone(),
+        crate_name: edit.crate_name.clone(),
+        host_version: host_version.to_string(),
+        file: edit.file.clone(),
+        expected: edit.occurrences,
+        found,
+        anchor: edit.anchor.clone(),
+    }))
+}
+
+/// Applies one edit to `content`, checking that its anchor occurs exactly
+/// `edit.occurrences` times (once, unless stated).
 pub fn apply_edit(content: &str, edit: &Edit, host_version: &str) -> Result<String, SeamError> {
+    if edit.occurrences != 1 && edit.kind != EditKind::Replace {
+        return Err(SeamError::Invalid(format!(
+            "edit \"{}\": only a `replace` may expect its anchor more than once",
+            edit.name
+        )));
+    }
     let found = content.matches(edit.anchor.as_str()).count();
-    let start = match content.find(edit.anchor.as_str()) {
-        Some(start) if found == 1 => start,
-        _ => {
-            return Err(SeamError::Anchor(Box::new(AnchorMismatch {
-                edit: edit.name.clone(),
-                crate_name: edit.crate_name.clone(),
-                host_version: host_version.to_string(),
-                file: edit.file.clone(),
-                found,
-                anchor: edit.anchor.clone(),
-            })))
-        }
-    };
-    let end = start + edit.anchor.len();
-    let line_start = content[..start].rfind('\n').map_or(0, |i| i + 1);
-    let line_end = content[end..]
-        .find('\n')
-        .map_or(content.len(), |i| end + i + 1);
+    if found != edit.occurrences {
+        return Err(anchor_mismatch(edit, host_version, found));
+    }
     let text = edit.text.trim_start_matches('\n');
+    let start = content
+        .find(edit.anchor.as_str())
+        .ok_or_else(|| anchor_mismatch(edit, host_version, found))?;
+    let end = start + edit.anchor.len();
     let mut out = String::with_capacity(content.len() + text.len() + 1);
     match edit.kind {
-        EditKind::Replace => {
-            out.push_str(&content[..start]);
-            out.push_str(text);
-            out.push_str(&content[end..]);
-        }
+        EditKind::Replace => out = content.replace(edit.anchor.as_str(), text),
         EditKind::InsertBefore => {
+            let line_start = content[..start].rfind('\n').map_or(0, |i| i + 1);
             out.push_str(&content[..line_start]);
             out.push_str(text);
             if !text.ends_with('\n') {
@@ -154,6 +174,9 @@ pub fn apply_edit(content: &str, edit: &Edit, host_version: &str) -> Result<Stri
             out.push_str(&content[line_start..]);
         }
         EditKind::InsertAfter => {
+            let line_end = content[end..]
+                .find('\n')
+                .map_or(content.len(), |i| end + i + 1);
             out.push_str(&content[..line_end]);
             if !content[..line_end].ends_with('\n') {
                 out.push('\n');
@@ -198,14 +221,7 @@ pub fn apply(
         {
             let key = PathBuf::from(&edit.file);
             let bytes = generated.get(&key).ok_or_else(|| {
-                SeamError::Anchor(Box::new(AnchorMismatch {
-                    edit: edit.name.clone(),
-                    crate_name: edit.crate_name.clone(),
-                    host_version: seam.host_version.clone(),
-                    file: edit.file.clone(),
-                    found: 0,
-                    anchor: edit.anchor.clone(),
-                }))
+                anchor_mismatch(edit, &seam.host_version, 0)
             })?;
             let content = String::from_utf8_lossy(bytes).into_owned();
             let patched = apply_edit(&content, edit, &seam.host_version)?;
@@ -267,6 +283,7 @@ mod tests {
             anchor: anchor.into(),
             kind,
             text: text.into(),
+            occurrences: 1,
         }
     }
 
@@ -291,5 +308,22 @@ mod tests {
         let repeated =
             apply_edit("b\nb\n", &edit("b", EditKind::Replace, "c"), "0.8.1").unwrap_err();
         assert!(repeated.to_string().contains("found it 2 times"));
+    }
+
+    #[test]
+    fn a_counted_replace_changes_every_occurrence_and_checks_the_count() {
+        let counted = Edit {
+            occurrences: 2,
+            ..edit("b()", EditKind::Replace, "d()")
+        };
+        assert_eq!(apply_edit("b();\nb();\n", &counted, "1").unwrap(), "d();\nd();\n");
+        let message = apply_edit("b();\n", &counted, "0.8.1").unwrap_err().to_string();
+        assert!(message.contains("exactly 2 times"), "{message}");
+        assert!(message.contains("found it 1 times"), "{message}");
+        let counted_insert = Edit {
+            occurrences: 2,
+            ..edit("b()", EditKind::InsertAfter, "x")
+        };
+        assert!(apply_edit("b();\nb();\n", &counted_insert, "1").is_err());
     }
 }
