@@ -1,0 +1,523 @@
+#!/usr/bin/env python3
+"""Write a golden reference file for any local Hugging Face causal-LM checkpoint.
+
+The output has the layout of the project's golden fixtures (tests/fixtures/GOLDEN.md), so that
+
+    cargo xtask align --model DIR --golden OUT_DIR/golden.safetensors
+
+compares the berrylm plugin with the transformers implementation on a real checkpoint (for
+BerryLM-OS: a transformers that has `BerryLMForCausalLM`, or the checkpoint's own code with
+`--trust-remote-code`).
+
+Usage
+-----
+
+    python tools/reference_dump.py --model DIR --out OUT_DIR \\
+        (--prompt TEXT [--prompt TEXT ...] | --ids "1,2,3" [--ids ...] | --chat FILE.json) \\
+        [--device cpu|cuda] [--gen-tokens N] [--gen-prompt I] [--hidden-states] [--no-bf16] \\
+        [--bos auto|always|never] [--no-completions] [--trust-remote-code] [--name NAME]
+
+Examples:
+
+    python tools/reference_dump.py --model ~/models/BerryLM-OS --out /tmp/berrylm-ref \\
+        --prompt "The capital of France is" --prompt "def fibonacci(n):" --gen-tokens 32
+    python tools/reference_dump.py --model ~/models/BerryLM-OS --out /tmp/berrylm-chat \\
+        --chat tests/fixtures/trained-tiny/golden.json --device cuda
+
+Inputs (one kind per run; each --prompt / --ids is one sequence `seq{i}`, in order):
+
+* `--prompt TEXT`: tokenized with the checkpoint's tokenizer. No special tokens are added,
+  except a leading BOS when the tokenizer itself prepends one by default (Llama-style tokenizers:
+  `tokenizer(text)` starts with `bos_token_id`), because such a model is trained and served with
+  it. `--bos never` / `--bos always` overrides that (`auto`, the default, is the rule above). The
+  golden fixtures have no BOS; BerryLM's tokenizer adds none, so for BerryLM `auto` adds nothing.
+* `--ids "1,2,3"`: token ids as given (no tokenizer needed).
+* `--chat FILE.json`: a JSON list of `{"messages": [...], "tools": [...]?, "enable_thinking":
+  bool?, "chat_template_kwargs": {...}?}` (or an object with such a list under `"sequences"`, so
+  a fixture's golden.json can be fed back). Each is rendered with the tokenizer's chat template
+  (`apply_chat_template(..., add_generation_prompt=True)`; `enable_thinking` is passed to the
+  template only when the entry has it) and the rendered text is tokenized without adding special
+  tokens (what transformers' `apply_chat_template(tokenize=True)` does). golden.json records the
+  messages, tools, `enable_thinking`, the rendered prompt and, unless `--no-completions`, the
+  reference's greedy completion text (transformers `generate`, float32, greedy, at most
+  `--gen-tokens` new tokens, stopping at the checkpoint's EOS).
+
+Outputs, in OUT_DIR:
+
+* `golden.safetensors`:
+  * `seq{i}.input_ids` i64 [T];
+  * `seq{i}.logits_f32` f32 [T, vocab]: the model loaded in float32, eager attention when the
+    model supports `attn_implementation="eager"` (else its default, recorded), one forward over
+    the whole sequence without cache; TF32 is disabled on CUDA;
+  * `seq{i}.hidden_states_f32` f32 [L+1, T, hidden] with `--hidden-states`
+    (`output_hidden_states`, transformers' convention: embeddings first, last entry after the
+    final norm);
+  * `seq{i}.logits_bf16` f32 [T, vocab]: the same forward with the model loaded in bfloat16,
+    logits cast to float32 (skipped with `--no-bf16`);
+  * `gen.prompt_ids`, `gen.output_ids` i64, `gen.step_logits_f32` f32 [N, vocab]: greedy
+    decoding of N = `--gen-tokens` tokens from sequence `--gen-prompt` (default 0): at every step
+    the float32 logits of the whole sequence so far are recomputed from scratch (no cache) and
+    the argmax of the last position is appended; it does not stop at EOS.
+* `golden.json`: `fixture`, `reference` (transformers and torch versions, device, dtypes,
+  attention implementation, the command), `sequences` (per sequence: `index`, `len`, the input,
+  `logits_abs_max_f32`, `min_top1_top2_gap_f32`, `reference_incremental_max_abs_dev` (prefill of
+  the first max(1, T/2) tokens then one-token decode steps with the model's own cache, against
+  the full forward; null when the model's cache path fails), `bf16_vs_f32_argmax_match`,
+  `bf16_vs_f32_max_abs_logit_diff`), `generation` (prompt, lengths, decoding, smallest top-1/top-2
+  gap along the run, text), `hidden_states_layout` with `--hidden-states`, and `config` (the
+  checkpoint's config.json as stored).
+
+Memory: the float32 model needs 4 bytes per parameter on the chosen device; the bfloat16 model is
+loaded after the float32 one is released.
+
+Needs torch, transformers and safetensors (tools/test_reference_dump.py tests this script on a
+tiny Llama built on the spot).
+"""
+
+import argparse
+import gc
+import inspect
+import json
+import os
+import platform
+import sys
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", required=True, help="checkpoint folder (config.json, weights, tokenizer)")
+    parser.add_argument("--out", required=True, help="output folder (created)")
+    inputs = parser.add_mutually_exclusive_group(required=True)
+    inputs.add_argument("--prompt", action="append", metavar="TEXT", help="a text prompt (repeatable)")
+    inputs.add_argument("--ids", action="append", metavar="IDS", help='comma-separated token ids, e.g. "1,2,3" (repeatable)')
+    inputs.add_argument("--chat", metavar="FILE", help="JSON list of {messages, tools?, enable_thinking?}")
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    parser.add_argument("--gen-tokens", type=int, default=16, metavar="N", help="greedy tokens to generate (default 16, at least 1)")
+    parser.add_argument("--gen-prompt", type=int, default=0, metavar="I", help="index of the sequence the greedy run starts from (default 0)")
+    parser.add_argument("--hidden-states", action="store_true", help="also store seq{i}.hidden_states_f32")
+    parser.add_argument("--no-bf16", action="store_true", help="skip the bfloat16 run (no seq{i}.logits_bf16)")
+    parser.add_argument("--bos", choices=["auto", "always", "never"], default="auto",
+                        help="leading BOS for --prompt: auto = only when the tokenizer adds one by default")
+    parser.add_argument("--no-completions", action="store_true", help="with --chat: do not record greedy completion texts")
+    parser.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own modeling/tokenizer code")
+    parser.add_argument("--name", help="the `fixture` name in golden.json (default: the checkpoint folder's name)")
+    args = parser.parse_args(argv)
+    if args.gen_tokens < 1:
+        parser.error("--gen-tokens must be at least 1 (the align tool needs gen.output_ids)")
+    return args
+
+
+def fail(message):
+    print(f"reference_dump: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def import_stack():
+    missing = []
+    modules = {}
+    for name in ("torch", "transformers", "safetensors"):
+        try:
+            modules[name] = __import__(name)
+        except ImportError as error:
+            missing.append(f"{name} ({error})")
+    if missing:
+        fail("cannot import " + ", ".join(missing) + ": pip install torch transformers safetensors")
+    return modules["torch"], modules["transformers"]
+
+
+def fixture_name(model_dir):
+    path = os.path.abspath(model_dir).rstrip(os.sep)
+    base = os.path.basename(path)
+    if base == "model":
+        base = os.path.basename(os.path.dirname(path))
+    return base
+
+
+def read_json(path):
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def parse_ids(text):
+    try:
+        ids = [int(part) for part in text.replace(" ", "").split(",") if part != ""]
+    except ValueError:
+        fail(f"--ids {text!r}: expected comma-separated integers")
+    if not ids:
+        fail(f"--ids {text!r}: no ids")
+    if any(i < 0 for i in ids):
+        fail(f"--ids {text!r}: negative id")
+    return ids
+
+
+def load_tokenizer(transformers, model_dir, trust_remote_code, required):
+    try:
+        return transformers.AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except Exception as error:  # noqa: BLE001 - any loading failure means "no tokenizer"
+        if required:
+            fail(f"cannot load the tokenizer of {model_dir}: {error}")
+        print(f"reference_dump: no tokenizer ({type(error).__name__}: {error}); texts are not recorded", file=sys.stderr)
+        return None
+
+
+def encode_prompt(tokenizer, text, bos_policy):
+    """Token ids of a text prompt and whether a BOS was prepended (see the module docstring)."""
+    plain = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    bos = tokenizer.bos_token_id
+    if bos_policy == "never" or bos is None:
+        return plain, False
+    if bos_policy == "always":
+        return [bos] + plain, True
+    default = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    if default[:1] == [bos] and default[1:len(plain) + 1] == plain:
+        return [bos] + plain, True
+    return plain, False
+
+
+def load_chat_entries(path):
+    data = read_json(path)
+    if isinstance(data, dict):
+        data = data.get("sequences")
+    if not isinstance(data, list) or not data:
+        fail(f"--chat {path}: expected a non-empty JSON list (or an object with a `sequences` list)")
+    entries = []
+    for index, entry in enumerate(data):
+        if not isinstance(entry, dict) or not isinstance(entry.get("messages"), list):
+            fail(f"--chat {path}: entry {index} has no `messages` list")
+        entries.append(entry)
+    return entries
+
+
+def render_chat(tokenizer, entry):
+    if not getattr(tokenizer, "chat_template", None):
+        fail("--chat: the tokenizer has no chat template")
+    kwargs = dict(entry.get("chat_template_kwargs") or {})
+    if "enable_thinking" in entry:
+        kwargs["enable_thinking"] = entry["enable_thinking"]
+    tools = entry.get("tools") or None
+    rendered = tokenizer.apply_chat_template(
+        entry["messages"], tools=tools, add_generation_prompt=True, tokenize=False, **kwargs
+    )
+    ids = list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    return rendered, ids
+
+
+def build_sequences(args, tokenizer):
+    """[(ids, facts)] in order, facts being the input part of the sequence's golden.json entry."""
+    sequences = []
+    if args.ids:
+        for text in args.ids:
+            ids = parse_ids(text)
+            facts = {"input": "ids"}
+            if tokenizer is not None:
+                facts["text"] = tokenizer.decode(ids, skip_special_tokens=False)
+            sequences.append((ids, facts))
+    elif args.prompt:
+        for text in args.prompt:
+            ids, bos_added = encode_prompt(tokenizer, text, args.bos)
+            if not ids:
+                fail(f"--prompt {text!r} tokenizes to nothing")
+            sequences.append((ids, {"input": "prompt", "prompt": text, "bos_added": bos_added}))
+    else:
+        for entry in load_chat_entries(args.chat):
+            rendered, ids = render_chat(tokenizer, entry)
+            facts = {
+                "input": "chat",
+                "messages": entry["messages"],
+                "tools": entry.get("tools") or [],
+            }
+            if "enable_thinking" in entry:
+                facts["enable_thinking"] = entry["enable_thinking"]
+            if entry.get("chat_template_kwargs"):
+                facts["chat_template_kwargs"] = entry["chat_template_kwargs"]
+            facts["rendered_prompt"] = rendered
+            sequences.append((ids, facts))
+    return sequences
+
+
+def dtype_keyword(transformers):
+    """`dtype=` since transformers 4.56, `torch_dtype=` before."""
+    try:
+        from packaging.version import Version
+
+        return "dtype" if Version(transformers.__version__) >= Version("4.56.0") else "torch_dtype"
+    except Exception:  # noqa: BLE001
+        return "torch_dtype"
+
+
+def load_model(torch, transformers, model_dir, dtype, device, trust_remote_code):
+    common = {dtype_keyword(transformers): dtype, "trust_remote_code": trust_remote_code}
+    auto = transformers.AutoModelForCausalLM
+    try:
+        model = auto.from_pretrained(model_dir, attn_implementation="eager", **common)
+    except (ValueError, TypeError, NotImplementedError) as error:
+        if "eager" not in str(error) and "attn_implementation" not in str(error):
+            raise
+        print(f"reference_dump: eager attention refused ({error}); using the model's default", file=sys.stderr)
+        model = auto.from_pretrained(model_dir, **common)
+    model.to(device)
+    model.eval()
+    return model
+
+
+def attention_implementation(model):
+    config = model.config
+    return getattr(config, "_attn_implementation", None) or getattr(config, "attn_implementation", None)
+
+
+def forward(torch, model, ids, device, hidden_states=False):
+    """Full-sequence forward without cache: (logits f32 [T, vocab] on CPU, hidden [L+1, T, H] or None)."""
+    x = torch.tensor([ids], dtype=torch.long, device=device)
+    with torch.no_grad():
+        out = model(
+            input_ids=x,
+            attention_mask=torch.ones_like(x),
+            use_cache=False,
+            output_hidden_states=hidden_states,
+            return_dict=True,
+        )
+    logits = out.logits[0].to(torch.float32).cpu().contiguous()
+    hidden = None
+    if hidden_states:
+        hidden = torch.stack([h[0].to(torch.float32).cpu() for h in out.hidden_states]).contiguous()
+    return logits, hidden
+
+
+def cache_argument(model):
+    """The forward's cache argument: `cache` in recent transformers, `past_key_values` before."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def returned_cache(out):
+    for name in ("cache", "past_key_values"):
+        value = getattr(out, name, None)
+        if value is not None:
+            return value
+    raise RuntimeError("the model returned no cache with use_cache=True")
+
+
+def incremental_deviation(torch, model, ids, full_logits, device):
+    """Max |logit diff| of prefill(first max(1, T/2)) + one-token cached decode steps vs the full forward."""
+    total = len(ids)
+    prefill = max(1, total // 2)
+    x = torch.tensor([ids], dtype=torch.long, device=device)
+    rows = []
+    argument = cache_argument(model)
+    try:
+        with torch.no_grad():
+            out = model(input_ids=x[:, :prefill], attention_mask=torch.ones_like(x[:, :prefill]), use_cache=True, return_dict=True)
+            rows.append(out.logits[0].to(torch.float32).cpu())
+            for t in range(prefill, total):
+                out = model(
+                    input_ids=x[:, t:t + 1],
+                    attention_mask=torch.ones_like(x[:, :t + 1]),
+                    use_cache=True,
+                    return_dict=True,
+                    **{argument: returned_cache(out)},
+                )
+                rows.append(out.logits[0].to(torch.float32).cpu())
+    except Exception as error:  # noqa: BLE001 - a fact, not a requirement
+        print(f"reference_dump: incremental check skipped ({type(error).__name__}: {error})", file=sys.stderr)
+        return None
+    incremental = torch.cat(rows, dim=0)
+    if incremental.shape != full_logits.shape:
+        return None
+    return float((incremental - full_logits).abs().max())
+
+
+def min_top1_top2_gap(torch, logits):
+    if logits.shape[-1] < 2:
+        return None
+    top = torch.topk(logits, 2, dim=-1).values
+    return float((top[..., 0] - top[..., 1]).min())
+
+
+def greedy_no_cache(torch, model, prompt, steps, device):
+    """Greedy argmax of float32 logits recomputed from scratch at every step; never stops at EOS."""
+    ids = list(prompt)
+    step_logits = []
+    for _ in range(steps):
+        logits, _ = forward(torch, model, ids, device)
+        last = logits[-1].clone()
+        step_logits.append(last)
+        ids.append(int(torch.argmax(last)))
+    return ids[len(prompt):], torch.stack(step_logits).contiguous()
+
+
+def greedy_completion(torch, model, tokenizer, ids, max_new_tokens, device):
+    """The reference's greedy completion text with transformers' generate (cache, stops at EOS)."""
+    x = torch.tensor([ids], dtype=torch.long, device=device)
+    kwargs = {"max_new_tokens": max_new_tokens, "do_sample": False}
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None and generation_config.pad_token_id is None:
+        eos = generation_config.eos_token_id
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        if eos is not None:
+            kwargs["pad_token_id"] = eos
+    try:
+        with torch.no_grad():
+            out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), **kwargs)
+    except Exception as error:  # noqa: BLE001
+        print(f"reference_dump: greedy completion skipped ({type(error).__name__}: {error})", file=sys.stderr)
+        return None
+    return tokenizer.decode(out[0, len(ids):].tolist(), skip_special_tokens=False)
+
+
+def device_description(torch, device):
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    torch, transformers = import_stack()
+    from safetensors.torch import save_file
+
+    model_dir = args.model
+    config_path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(config_path):
+        fail(f"{model_dir} has no config.json")
+    config = read_json(config_path)
+
+    device = args.device
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            fail("--device cuda: torch sees no CUDA device")
+        # float32 means float32: no TF32 in matmuls or convolutions.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    elif device != "cpu":
+        fail(f"--device {device}: expected cpu or cuda[:N]")
+    torch.set_float32_matmul_precision("highest")
+
+    tokenizer = load_tokenizer(transformers, model_dir, args.trust_remote_code, required=not args.ids)
+    sequences = build_sequences(args, tokenizer)
+    if not 0 <= args.gen_prompt < len(sequences):
+        fail(f"--gen-prompt {args.gen_prompt}: there are {len(sequences)} sequences")
+
+    tensors = {}
+    entries = []
+    print(f"reference_dump: float32 run of {model_dir} on {device}", file=sys.stderr)
+    model = load_model(torch, transformers, model_dir, torch.float32, device, args.trust_remote_code)
+    embeddings = model.get_input_embeddings().num_embeddings
+    for index, (ids, _) in enumerate(sequences):
+        if max(ids) >= embeddings:
+            fail(f"seq{index}: token id {max(ids)} is outside the embedding table ({embeddings} rows)")
+    vocab = None
+    f32_logits = []
+    for index, (ids, facts) in enumerate(sequences):
+        logits, hidden = forward(torch, model, ids, device, hidden_states=args.hidden_states)
+        vocab = logits.shape[-1]
+        name = f"seq{index}"
+        tensors[f"{name}.input_ids"] = torch.tensor(ids, dtype=torch.int64)
+        tensors[f"{name}.logits_f32"] = logits
+        if hidden is not None:
+            tensors[f"{name}.hidden_states_f32"] = hidden
+        f32_logits.append(logits)
+        entry = {"index": index, "len": len(ids)}
+        entry.update(facts)
+        entry["logits_abs_max_f32"] = float(logits.abs().max())
+        entry["min_top1_top2_gap_f32"] = min_top1_top2_gap(torch, logits)
+        entry["reference_incremental_max_abs_dev"] = incremental_deviation(torch, model, ids, logits, device)
+        if facts["input"] == "chat" and not args.no_completions:
+            entry["greedy_completion_text"] = greedy_completion(torch, model, tokenizer, ids, args.gen_tokens, device)
+        entries.append(entry)
+        print(f"reference_dump: seq{index}: {len(ids)} tokens", file=sys.stderr)
+
+    prompt = sequences[args.gen_prompt][0]
+    output_ids, step_logits = greedy_no_cache(torch, model, prompt, args.gen_tokens, device)
+    tensors["gen.prompt_ids"] = torch.tensor(prompt, dtype=torch.int64)
+    tensors["gen.output_ids"] = torch.tensor(output_ids, dtype=torch.int64)
+    tensors["gen.step_logits_f32"] = step_logits
+    generation = {
+        "prompt": f"seq{args.gen_prompt}",
+        "prompt_len": len(prompt),
+        "new_tokens": len(output_ids),
+        "decoding": "greedy, argmax of f32 logits recomputed from scratch at every step (no cache), "
+        "does not stop at EOS",
+        "min_top1_top2_gap": min_top1_top2_gap(torch, step_logits),
+    }
+    if tokenizer is not None:
+        generation["text"] = tokenizer.decode(output_ids, skip_special_tokens=False)
+    attn_f32 = attention_implementation(model)
+    class_name = type(model).__name__
+    del model
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+    attn_bf16 = None
+    if not args.no_bf16:
+        print("reference_dump: bfloat16 run", file=sys.stderr)
+        model = load_model(torch, transformers, model_dir, torch.bfloat16, device, args.trust_remote_code)
+        attn_bf16 = attention_implementation(model)
+        for index, (ids, _) in enumerate(sequences):
+            logits, _ = forward(torch, model, ids, device)
+            tensors[f"seq{index}.logits_bf16"] = logits
+            reference = f32_logits[index]
+            agree = (logits.argmax(dim=-1) == reference.argmax(dim=-1)).to(torch.float32).mean()
+            entries[index]["bf16_vs_f32_argmax_match"] = float(agree)
+            entries[index]["bf16_vs_f32_max_abs_logit_diff"] = float((logits - reference).abs().max())
+        del model
+        gc.collect()
+
+    reference = {
+        "implementation": f"huggingface/transformers {class_name}",
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__,
+        "device": device,
+        "device_name": device_description(torch, device),
+        "dtype": "float32 (logits_f32, hidden_states_f32, gen.*)",
+        "bf16_dtype": None if args.no_bf16 else "bfloat16 (logits_bf16: model loaded in bfloat16, logits cast to float32)",
+        "attn_implementation": attn_f32,
+        "attn_implementation_bf16": attn_bf16,
+        "tf32": False,
+        "trust_remote_code": args.trust_remote_code,
+        "checkpoint": os.path.abspath(model_dir),
+        "checkpoint_dtype": config.get("dtype", config.get("torch_dtype")),
+        "bos_policy": args.bos if args.prompt else None,
+        "command": ["tools/reference_dump.py"] + (sys.argv[1:] if argv is None else list(argv)),
+    }
+    golden = {
+        "fixture": args.name or fixture_name(model_dir),
+        "reference": reference,
+        "sequences": entries,
+        "generation": generation,
+    }
+    if args.hidden_states:
+        golden["hidden_states_layout"] = (
+            "[num_hidden_layers+1, T, hidden]: transformers' output_hidden_states (index 0 = embeddings, "
+            "last entry = after the final norm)"
+        )
+    golden["config"] = config
+
+    os.makedirs(args.out, exist_ok=True)
+    save_file(tensors, os.path.join(args.out, "golden.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(args.out, "golden.json"), "w", encoding="utf-8") as handle:
+        json.dump(golden, handle, indent=2, ensure_ascii=False)
+        handle.write("\n")
+    print(
+        f"reference_dump: wrote {os.path.join(args.out, 'golden.safetensors')} "
+        f"({len(sequences)} sequences, vocab {vocab}, {len(output_ids)} greedy tokens) and golden.json"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

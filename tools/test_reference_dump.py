@@ -1,0 +1,416 @@
+#!/usr/bin/env python3
+"""Tests of tools/reference_dump.py on a tiny random Llama and a word-level tokenizer built here.
+
+Run (torch, transformers, safetensors and tokenizers in the interpreter; skipped, with the reason,
+when one of them is missing):
+
+    ~/.cache/berrylm/venv-reference/bin/python tools/test_reference_dump.py -v
+
+The dumper runs as a subprocess, as a user runs it; every expectation is computed here
+independently: the golden file's header is parsed by hand, the logits and hidden states come
+from a fresh load of the saved checkpoint, and the greedy continuation from a cached decoding
+loop (the dumper recomputes every step without cache).
+"""
+
+import inspect
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DUMPER = os.path.join(HERE, "reference_dump.py")
+
+MISSING = []
+try:
+    import torch
+except ImportError:
+    MISSING.append("torch")
+try:
+    import transformers
+except ImportError:
+    MISSING.append("transformers")
+try:
+    import safetensors  # noqa: F401 - the dumper writes with it
+except ImportError:
+    MISSING.append("safetensors")
+try:
+    import tokenizers
+except ImportError:
+    MISSING.append("tokenizers")
+SKIP_REASON = (
+    "cannot import " + ", ".join(MISSING) + ": install torch, transformers, safetensors and tokenizers "
+    "(e.g. in ~/.cache/berrylm/venv-reference) to run these tests"
+)
+
+VOCAB = 64
+HIDDEN = 32
+LAYERS = 2
+SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+WORDS = [
+    "user", "assistant", "system", "tools:", "nothink", "hello", "world", "what", "is", "the",
+    "weather", "in", "oslo", "?", "one", "two", "three", "plus", "get_weather", "get_time", "time",
+]
+# Whitespace-separated rendering, so the word-level tokenizer sees every piece.
+CHAT_TEMPLATE = (
+    "{%- if tools -%}<|im_start|> system tools: {% for t in tools %}{{ t.function.name }} {% endfor %}<|im_end|> {% endif -%}"
+    "{%- for m in messages -%}<|im_start|> {{ m.role }} {{ m.content }} <|im_end|> {% endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|> assistant "
+    "{%- if enable_thinking is defined and not enable_thinking %} nothink{% endif %} {% endif -%}"
+)
+PROMPTS = ["hello world", "what is the weather in oslo ?", "one"]
+GEN_TOKENS = 6
+CHAT = [
+    {"messages": [{"role": "user", "content": "what is one plus two ?"}]},
+    {
+        "messages": [{"role": "user", "content": "what is the weather in oslo ?"}],
+        "tools": [
+            {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+            {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}},
+        ],
+        "enable_thinking": False,
+    },
+]
+IDS = ["5, 6,7", "9"]
+
+
+def read_header(path):
+    """The safetensors header, parsed by hand: {name: (dtype, shape)}."""
+    with open(path, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+    header.pop("__metadata__", None)
+    return {name: (entry["dtype"], entry["shape"]) for name, entry in header.items()}
+
+
+def load_tensors(path):
+    from safetensors.torch import load_file
+
+    return load_file(path)
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    names = SPECIALS + WORDS
+    names += [f"w{i}" for i in range(VOCAB - len(names))]
+    backend = Tokenizer(models.WordLevel(vocab={name: i for i, name in enumerate(names)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens(SPECIALS)
+    # Llama-style: the tokenizer prepends BOS by default.
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def load_model(model_dir, dtype):
+    from transformers import LlamaForCausalLM
+
+    # `dtype=` since transformers 4.56, `torch_dtype=` before.
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    keyword = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+    model = LlamaForCausalLM.from_pretrained(model_dir, attn_implementation="eager", **{keyword: dtype})
+    model.eval()
+    return model
+
+
+def cached_greedy(model, prompt, steps):
+    """Greedy decoding through the model's KV cache: (new ids, logits of each step [steps, vocab])."""
+    # transformers renamed `past_key_values` to `cache` (argument and output) in 5.x.
+    new_name = "cache" in inspect.signature(model.forward).parameters
+    rows = []
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([prompt]), use_cache=True)
+        generated = []
+        for _ in range(steps):
+            last = out.logits[0, -1].float()
+            rows.append(last)
+            token = int(last.argmax())
+            generated.append(token)
+            if new_name:
+                out = model(input_ids=torch.tensor([[token]]), cache=out.cache, use_cache=True)
+            else:
+                out = model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+    return generated, torch.stack(rows)
+
+
+def run_dumper(args):
+    result = subprocess.run(
+        [sys.executable, DUMPER] + args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+    )
+    if result.returncode != 0:
+        raise AssertionError(f"reference_dump.py {' '.join(args)} exited {result.returncode}:\n{result.stdout}")
+    return result.stdout
+
+
+@unittest.skipIf(MISSING, SKIP_REASON)
+class ReferenceDumpTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cls.tmp = tempfile.mkdtemp(prefix="berrylm-reference-dump-")
+        cls.model_dir = os.path.join(cls.tmp, "tiny-llama", "model")
+        torch.manual_seed(1234)
+        config = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            intermediate_size=64,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            initializer_range=0.3,  # logits of a few units, so bfloat16 rounding shows
+            bos_token_id=1,
+            eos_token_id=2,
+            tie_word_embeddings=False,
+        )
+        model = LlamaForCausalLM(config).eval()
+        cls.tokenizer = build_tokenizer()
+        # Make the token that greedy decoding emits second the EOS of the checkpoint, so a
+        # dumper that stopped at EOS would be caught.
+        prompt = cls.tokenizer(PROMPTS[0])["input_ids"]
+        continuation, _ = cached_greedy(model, prompt, 2)
+        cls.eos = continuation[1]
+        model.config.eos_token_id = cls.eos
+        model.generation_config.eos_token_id = cls.eos
+        model.save_pretrained(cls.model_dir)
+        cls.tokenizer.save_pretrained(cls.model_dir)
+        del model
+
+        cls.out_prompts = os.path.join(cls.tmp, "out-prompts")
+        args = ["--model", cls.model_dir, "--out", cls.out_prompts, "--gen-tokens", str(GEN_TOKENS), "--hidden-states"]
+        for text in PROMPTS:
+            args += ["--prompt", text]
+        cls.log_prompts = run_dumper(args)
+
+        chat_file = os.path.join(cls.tmp, "chat.json")
+        with open(chat_file, "w", encoding="utf-8") as handle:
+            json.dump(CHAT, handle)
+        cls.out_chat = os.path.join(cls.tmp, "out-chat")
+        run_dumper(["--model", cls.model_dir, "--out", cls.out_chat, "--chat", chat_file, "--gen-tokens", "4",
+                    "--gen-prompt", "1", "--no-bf16"])
+
+        cls.out_ids = os.path.join(cls.tmp, "out-ids")
+        args = ["--model", cls.model_dir, "--out", cls.out_ids, "--gen-tokens", "3", "--no-bf16"]
+        for ids in IDS:
+            args += ["--ids", ids]
+        run_dumper(args)
+
+        cls.fresh = load_model(cls.model_dir, torch.float32)
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def golden(self, out):
+        with open(os.path.join(out, "golden.json"), encoding="utf-8") as handle:
+            return json.load(handle)
+
+    def test_tensor_names_dtypes_and_shapes_follow_the_golden_format(self):
+        header = read_header(os.path.join(self.out_prompts, "golden.safetensors"))
+        expected = {}
+        for i, text in enumerate(PROMPTS):
+            length = 1 + len(text.split())  # BOS + one token per word
+            expected[f"seq{i}.input_ids"] = ("I64", [length])
+            expected[f"seq{i}.logits_f32"] = ("F32", [length, VOCAB])
+            expected[f"seq{i}.logits_bf16"] = ("F32", [length, VOCAB])
+            expected[f"seq{i}.hidden_states_f32"] = ("F32", [LAYERS + 1, length, HIDDEN])
+        prompt_len = 1 + len(PROMPTS[0].split())
+        expected["gen.prompt_ids"] = ("I64", [prompt_len])
+        expected["gen.output_ids"] = ("I64", [GEN_TOKENS])
+        expected["gen.step_logits_f32"] = ("F32", [GEN_TOKENS, VOCAB])
+        self.assertEqual(header, expected)
+
+        header = read_header(os.path.join(self.out_chat, "golden.safetensors"))
+        self.assertEqual(sorted(header), sorted(
+            [f"seq{i}.{kind}" for i in range(len(CHAT)) for kind in ("input_ids", "logits_f32")]
+            + ["gen.prompt_ids", "gen.output_ids", "gen.step_logits_f32"]
+        ))
+        self.assertEqual(header["gen.output_ids"], ("I64", [4]))
+
+    def test_text_prompts_get_the_tokenizers_default_bos_and_nothing_else(self):
+        tensors = load_tensors(os.path.join(self.out_prompts, "golden.safetensors"))
+        golden = self.golden(self.out_prompts)
+        for i, text in enumerate(PROMPTS):
+            words = self.tokenizer.convert_tokens_to_ids(text.split())
+            self.assertEqual(tensors[f"seq{i}.input_ids"].tolist(), [1] + words)
+            self.assertEqual(golden["sequences"][i]["prompt"], text)
+            self.assertTrue(golden["sequences"][i]["bos_added"])
+        self.assertEqual(tensors["gen.prompt_ids"].tolist(), tensors["seq0.input_ids"].tolist())
+
+    def test_logits_and_hidden_states_equal_a_fresh_forward_of_the_saved_model(self):
+        tensors = load_tensors(os.path.join(self.out_prompts, "golden.safetensors"))
+        for i in range(len(PROMPTS)):
+            ids = tensors[f"seq{i}.input_ids"]
+            with torch.no_grad():
+                out = self.fresh(input_ids=ids[None], use_cache=False, output_hidden_states=True)
+            logits = out.logits[0].float()
+            self.assertLessEqual(float((tensors[f"seq{i}.logits_f32"] - logits).abs().max()), 1e-5)
+            self.assertGreater(float(logits.abs().max()), 0.5)  # not a degenerate model
+            hidden = torch.stack([h[0] for h in out.hidden_states])
+            self.assertLessEqual(float((tensors[f"seq{i}.hidden_states_f32"] - hidden).abs().max()), 1e-5)
+
+    def test_greedy_run_equals_an_independent_cached_continuation_and_does_not_stop_at_eos(self):
+        tensors = load_tensors(os.path.join(self.out_prompts, "golden.safetensors"))
+        prompt = tensors["gen.prompt_ids"].tolist()
+        expected, step_logits = cached_greedy(self.fresh, prompt, GEN_TOKENS)
+        self.assertEqual(tensors["gen.output_ids"].tolist(), expected)
+        self.assertEqual(expected[1], self.eos)  # EOS came second, and the run went on
+        self.assertLessEqual(float((tensors["gen.step_logits_f32"] - step_logits).abs().max()), 1e-4)
+        # Step 0 predicts from the prompt: the last row of the prompt's own logits.
+        self.assertTrue(torch.equal(tensors["gen.step_logits_f32"][0], tensors["seq0.logits_f32"][-1]))
+
+        tensors = load_tensors(os.path.join(self.out_chat, "golden.safetensors"))
+        prompt = tensors["seq1.input_ids"].tolist()
+        self.assertEqual(tensors["gen.prompt_ids"].tolist(), prompt)  # --gen-prompt 1
+        expected, _ = cached_greedy(self.fresh, prompt, 4)
+        self.assertEqual(tensors["gen.output_ids"].tolist(), expected)
+
+    def test_bf16_logits_are_close_to_f32_but_not_identical(self):
+        tensors = load_tensors(os.path.join(self.out_prompts, "golden.safetensors"))
+        golden = self.golden(self.out_prompts)
+        for i in range(len(PROMPTS)):
+            f32 = tensors[f"seq{i}.logits_f32"]
+            bf16 = tensors[f"seq{i}.logits_bf16"]
+            diff = float((bf16 - f32).abs().max())
+            self.assertGreater(diff, 0.0, f"seq{i}: bf16 logits identical to f32")
+            self.assertLess(diff, 0.1 * float(f32.abs().max()), f"seq{i}: bf16 logits far from f32")
+            facts = golden["sequences"][i]
+            self.assertAlmostEqual(facts["bf16_vs_f32_max_abs_logit_diff"], diff, places=5)
+            match = float((bf16.argmax(-1) == f32.argmax(-1)).float().mean())
+            self.assertAlmostEqual(facts["bf16_vs_f32_argmax_match"], match, places=6)
+        # The bf16 run is the model in bfloat16, not float32 logits rounded afterwards.
+        rounded = tensors["seq1.logits_f32"].to(torch.bfloat16).float()
+        self.assertFalse(torch.equal(rounded, tensors["seq1.logits_bf16"]))
+
+    def test_golden_json_has_the_facts_and_the_reference_block(self):
+        golden = self.golden(self.out_prompts)
+        tensors = load_tensors(os.path.join(self.out_prompts, "golden.safetensors"))
+        self.assertEqual(golden["fixture"], "tiny-llama")
+        with open(os.path.join(self.model_dir, "config.json"), encoding="utf-8") as handle:
+            self.assertEqual(golden["config"], json.load(handle))
+        reference = golden["reference"]
+        self.assertEqual(reference["transformers_version"], transformers.__version__)
+        self.assertEqual(reference["torch_version"], torch.__version__)
+        self.assertEqual(reference["device"], "cpu")
+        self.assertIn("float32", reference["dtype"])
+        self.assertIn("bfloat16", reference["bf16_dtype"])
+        self.assertEqual(reference["attn_implementation"], "eager")
+        self.assertIn("LlamaForCausalLM", reference["implementation"])
+        self.assertIn("hidden_states_layout", golden)
+        self.assertEqual(len(golden["sequences"]), len(PROMPTS))
+        for i, facts in enumerate(golden["sequences"]):
+            logits = tensors[f"seq{i}.logits_f32"]
+            self.assertEqual(facts["index"], i)
+            self.assertEqual(facts["len"], logits.shape[0])
+            self.assertAlmostEqual(facts["logits_abs_max_f32"], float(logits.abs().max()), places=5)
+            top = logits.topk(2, dim=-1).values
+            self.assertAlmostEqual(facts["min_top1_top2_gap_f32"], float((top[:, 0] - top[:, 1]).min()), places=5)
+            # The model's own cache path agrees with the full forward at float32 rounding.
+            self.assertIsNotNone(facts["reference_incremental_max_abs_dev"])
+            self.assertLess(facts["reference_incremental_max_abs_dev"], 1e-4)
+        generation = golden["generation"]
+        self.assertEqual(generation["prompt"], "seq0")
+        self.assertEqual(generation["prompt_len"], tensors["gen.prompt_ids"].shape[0])
+        self.assertEqual(generation["new_tokens"], GEN_TOKENS)
+        self.assertIn("no cache", generation["decoding"])
+        self.assertEqual(generation["text"], self.tokenizer.decode(tensors["gen.output_ids"].tolist()))
+
+    def test_chat_prompts_are_rendered_with_the_template_and_recorded(self):
+        golden = self.golden(self.out_chat)
+        tensors = load_tensors(os.path.join(self.out_chat, "golden.safetensors"))
+        expected_prompts = [
+            "<|im_start|> user what is one plus two ? <|im_end|> <|im_start|> assistant ",
+            "<|im_start|> system tools: get_weather get_time <|im_end|> "
+            "<|im_start|> user what is the weather in oslo ? <|im_end|> <|im_start|> assistant nothink ",
+        ]
+        for i, entry in enumerate(CHAT):
+            facts = golden["sequences"][i]
+            self.assertEqual(facts["rendered_prompt"], expected_prompts[i])
+            self.assertEqual(facts["messages"], entry["messages"])
+            self.assertEqual(facts["tools"], entry.get("tools", []))
+            self.assertEqual(facts.get("enable_thinking"), entry.get("enable_thinking"))
+            # Rendered text tokenized without special tokens: no BOS in front.
+            ids = tensors[f"seq{i}.input_ids"].tolist()
+            self.assertEqual(ids, self.tokenizer.convert_tokens_to_ids(expected_prompts[i].split()))
+            self.assertNotEqual(ids[0], 1)
+            self.assertIsInstance(facts["greedy_completion_text"], str)
+            self.assertNotIn("bf16_vs_f32_argmax_match", facts)
+        # The completion is transformers' generate: greedy, stopping at the checkpoint's EOS.
+        with torch.no_grad():
+            prompt = tensors["seq0.input_ids"]
+            out = self.fresh.generate(input_ids=prompt[None], attention_mask=torch.ones_like(prompt[None]),
+                                      max_new_tokens=4, do_sample=False, pad_token_id=self.eos)
+        self.assertEqual(golden["sequences"][0]["greedy_completion_text"],
+                         self.tokenizer.decode(out[0, prompt.shape[0]:].tolist()))
+        self.assertIsNone(golden["reference"]["bf16_dtype"])
+
+    def test_token_ids_are_taken_as_given(self):
+        tensors = load_tensors(os.path.join(self.out_ids, "golden.safetensors"))
+        golden = self.golden(self.out_ids)
+        self.assertEqual(tensors["seq0.input_ids"].tolist(), [5, 6, 7])
+        self.assertEqual(tensors["seq1.input_ids"].tolist(), [9])
+        self.assertNotIn("seq2.input_ids", tensors)
+        self.assertEqual(golden["sequences"][0]["input"], "ids")
+        with torch.no_grad():
+            logits = self.fresh(input_ids=torch.tensor([[5, 6, 7]]), use_cache=False).logits[0]
+        self.assertLessEqual(float((tensors["seq0.logits_f32"] - logits).abs().max()), 1e-5)
+        self.assertEqual(tensors["gen.output_ids"].shape[0], 3)
+
+    def test_bad_arguments_are_refused(self):
+        for args in (
+            ["--model", self.model_dir, "--out", os.path.join(self.tmp, "x"), "--ids", "1,2", "--gen-tokens", "0"],
+            ["--model", self.model_dir, "--out", os.path.join(self.tmp, "x"), "--ids", "1,2", "--prompt", "hello"],
+            ["--model", self.model_dir, "--out", os.path.join(self.tmp, "x"), "--ids", "1,999"],
+            ["--model", self.model_dir, "--out", os.path.join(self.tmp, "x"), "--ids", "1", "--gen-prompt", "3"],
+            ["--model", os.path.join(self.tmp, "nowhere"), "--out", os.path.join(self.tmp, "x"), "--ids", "1"],
+        ):
+            result = subprocess.run([sys.executable, DUMPER] + args, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, timeout=600)
+            self.assertEqual(result.returncode, 2, f"{args}: {result.stdout}")
+            self.assertFalse(os.path.exists(os.path.join(self.tmp, "x", "golden.safetensors")))
+
+
+TRAINED_TINY = os.path.join(os.path.dirname(HERE), "tests", "fixtures", "trained-tiny")
+
+
+@unittest.skipIf(MISSING, SKIP_REASON)
+@unittest.skipUnless(os.path.isdir(TRAINED_TINY), f"no fixture at {TRAINED_TINY}")
+class ChatRenderingTest(unittest.TestCase):
+    def test_trained_tiny_chats_render_to_the_reference_prompts_and_ids(self):
+        # The fixture's golden.json fed back as --chat input: the dumper's rendering and
+        # tokenization give the reference pipeline's rendered prompts and input ids.
+        sys.path.insert(0, HERE)
+        import reference_dump
+
+        golden_json = os.path.join(TRAINED_TINY, "golden.json")
+        with open(golden_json, encoding="utf-8") as handle:
+            golden = json.load(handle)
+        tensors = load_tensors(os.path.join(TRAINED_TINY, "golden.safetensors"))
+        tokenizer = reference_dump.load_tokenizer(transformers, os.path.join(TRAINED_TINY, "model"), False, True)
+        entries = reference_dump.load_chat_entries(golden_json)
+        self.assertEqual(len(entries), len(golden["sequences"]))
+        for i, entry in enumerate(entries):
+            rendered, ids = reference_dump.render_chat(tokenizer, entry)
+            self.assertEqual(rendered, golden["sequences"][i]["rendered_prompt"], f"seq{i}")
+            self.assertEqual(ids, tensors[f"seq{i}.input_ids"].tolist(), f"seq{i}")
+
+
+if __name__ == "__main__":
+    unittest.main()
