@@ -189,6 +189,14 @@ fn python_with_openai_client() -> Result<PathBuf> {
     Ok(python)
 }
 
+/// The Python that runs the reference dumper's tests: `BERRYLM_REFERENCE_PYTHON`
+/// (one with torch and transformers; installing them is not part of the test
+/// command, they are gigabytes), else `python3`, whose run skips them visibly.
+fn reference_python() -> PathBuf {
+    std::env::var_os("BERRYLM_REFERENCE_PYTHON")
+        .map_or_else(|| PathBuf::from("python3"), PathBuf::from)
+}
+
 fn test(repo: &Repo) -> Result<()> {
     let options = BuildOptions::default();
     host::prepare(repo)?;
@@ -200,6 +208,13 @@ fn test(repo: &Repo) -> Result<()> {
             "--manifest-path",
             "xtask/Cargo.toml",
         ]),
+    )?;
+    run_step(
+        "testing the reference dumper (tools/test_reference_dump.py; its tests skip, saying \
+         why, unless BERRYLM_REFERENCE_PYTHON names a Python with torch and transformers)",
+        Command::new(reference_python())
+            .current_dir(&repo.root)
+            .args(["tools/test_reference_dump.py", "-v"]),
     )?;
     build_workspace(repo, &options)?;
     run_step(
