@@ -10,7 +10,9 @@ usage: cargo xtask <command>
 
 commands:
   prepare                         apply the host seam to the pinned mistral.rs sources (.host/)
-  build [--cuda]                  build the host CLI with the berrylm plugin (release)
+  build [--cuda]                  build the host CLI with the berrylm plugin (release); with
+                                  --cuda also stripped standalone executables for the GPU
+                                  machine in <target>-cuda/standalone
   test                            prepare, build and run every test of the workspace
   serve [--model DIR] [--port P] [--cuda] [-- HOST_ARGS...]
                                   build and run `mistralrs serve` on 127.0.0.1 (default model:
@@ -54,7 +56,11 @@ fn run(args: Vec<String>) -> Result<()> {
         "build" => {
             let options = BuildOptions::parse(rest)?;
             host::prepare(&repo)?;
-            build_workspace(&repo, &options)
+            build_workspace(&repo, &options)?;
+            if options.cuda {
+                write_standalone(&options)?;
+            }
+            Ok(())
         }
         "test" => test(&repo),
         "serve" => serve(&repo, rest),
@@ -157,6 +163,31 @@ fn build_workspace(repo: &Repo, options: &BuildOptions) -> Result<()> {
             &options.features(),
         ]),
     )
+}
+
+/// Stripped copies of the CUDA build's tools and GPU test executables, for
+/// the GPU machine (no cargo there), in `<target>/standalone`.
+fn write_standalone(options: &BuildOptions) -> Result<()> {
+    let target = target_dir(options.cuda);
+    let out = target.join("standalone");
+    let written = xtask::standalone::write(&target.join("release"), &out)?;
+    println!(
+        "xtask: standalone executables (stripped) in {}:",
+        out.display()
+    );
+    for (path, size) in written {
+        println!(
+            "  {:<28} {:>6.1} MiB",
+            path.file_name().unwrap_or_default().to_string_lossy(),
+            size as f64 / (1024.0 * 1024.0)
+        );
+    }
+    println!(
+        "xtask: on the GPU machine: LD_LIBRARY_PATH=<CUDA 13 runtime libraries>, \
+         BERRYLM_HOST_BIN=<standalone>/mistralrs and BERRYLM_FIXTURES=<repo>/tests/fixtures \
+         for the test executables (kernels/CUDA.md)"
+    );
+    Ok(())
 }
 
 fn host_binary(options: &BuildOptions) -> PathBuf {
