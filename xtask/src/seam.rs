@@ -220,9 +220,9 @@ pub fn apply(
             .filter(|e| e.crate_name == host_crate.name)
         {
             let key = PathBuf::from(&edit.file);
-            let bytes = generated.get(&key).ok_or_else(|| {
-                anchor_mismatch(edit, &seam.host_version, 0)
-            })?;
+            let bytes = generated
+                .get(&key)
+                .ok_or_else(|| anchor_mismatch(edit, &seam.host_version, 0))?;
             let content = String::from_utf8_lossy(bytes).into_owned();
             let patched = apply_edit(&content, edit, &seam.host_version)?;
             generated.insert(key, patched.into_bytes());
@@ -316,8 +316,13 @@ mod tests {
             occurrences: 2,
             ..edit("b()", EditKind::Replace, "d()")
         };
-        assert_eq!(apply_edit("b();\nb();\n", &counted, "1").unwrap(), "d();\nd();\n");
-        let message = apply_edit("b();\n", &counted, "0.8.1").unwrap_err().to_string();
+        assert_eq!(
+            apply_edit("b();\nb();\n", &counted, "1").unwrap(),
+            "d();\nd();\n"
+        );
+        let message = apply_edit("b();\n", &counted, "0.8.1")
+            .unwrap_err()
+            .to_string();
         assert!(message.contains("exactly 2 times"), "{message}");
         assert!(message.contains("found it 1 times"), "{message}");
         let counted_insert = Edit {
