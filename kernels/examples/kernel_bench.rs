@@ -6,9 +6,10 @@
 //!   moved (read + write, 2 * B * Hv * dk * dv * 4) per second; the decode
 //!   kernel is the one the library picks (`rows` when B * Hv >= 128, else
 //!   `tiles`);
-//! * prefill at T = 512 and 4096 (batch 1) and T = 512 (batch 8) with each
-//!   `KdaPrefillAlgorithm` (sequential, the default, and chunked), reporting
-//!   tokens per second.
+//! * prefill at T = 32, 64, 128, 256, 512, 1024, 2048, 4096 and 16384
+//!   (batch 1) and T = 512 (batch 8) with each `KdaPrefillAlgorithm`
+//!   (sequential, and chunked, which `kda_recurrence` uses from T = 64 on),
+//!   reporting tokens per second.
 //!
 //! `--decode-only` / `--prefill-only` print one table.
 //!
@@ -58,7 +59,8 @@ fn recurrence_call(algorithm: KdaPrefillAlgorithm, x: &Inputs) -> candle_core::R
     Ok(())
 }
 
-/// The library default (what `kda_recurrence` runs).
+/// `KdaPrefillAlgorithm::default()` (sequential): what `kda_recurrence` runs
+/// for decode, the only use here (warm-up and the decode table).
 fn default_call(x: &Inputs) -> candle_core::Result<()> {
     recurrence_call(KdaPrefillAlgorithm::default(), x)
 }
@@ -135,7 +137,18 @@ fn prefill_table(device: &Device, quick: bool) -> candle_core::Result<()> {
     println!("prefill, both KdaPrefillAlgorithm values");
     println!("| algorithm | batch | T | GPU ms/call | tokens/s (GPU) | host ms/call |");
     println!("|---|---:|---:|---:|---:|---:|");
-    for (batch, seq_len) in [(1usize, 512usize), (1, 4096), (8, 512)] {
+    for (batch, seq_len) in [
+        (1usize, 32usize),
+        (1, 64),
+        (1, 128),
+        (1, 256),
+        (1, 512),
+        (1, 1024),
+        (1, 2048),
+        (1, 4096),
+        (1, 16384),
+        (8, 512),
+    ] {
         let x = inputs(device, batch, seq_len)?;
         let iters = if quick {
             3

@@ -16,22 +16,29 @@ const L2_NORM_EPS: f32 = 1e-6;
 ///
 /// The choice only matters for CUDA tensors; on the CPU both variants run the
 /// same token-by-token reference and give identical results. On CUDA both
-/// compute the same recurrence, differing in summation order and speed; both
-/// are tested against the CPU reference with the same tolerance.
+/// compute the same recurrence: `Sequential` in f32 throughout (agreeing with
+/// the CPU reference up to summation order), `Chunked` with TF32 tensor-core
+/// products (relative errors of order 1e-4, see `CUDA.md`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum KdaPrefillAlgorithm {
-    /// Token by token, the state held in registers for the whole call. The
-    /// default, and the one [`kda_recurrence`] uses: on an H200 it measured
-    /// faster than [`KdaPrefillAlgorithm::Chunked`] at every benchmarked
-    /// size (see `CUDA.md`).
+    /// Token by token, the state held in registers for the whole call, all
+    /// f32. [`kda_recurrence`] uses it for calls of fewer than 64 tokens.
     #[default]
     Sequential,
-    /// Chunks of 64 tokens in the WY/UT form (one kernel prepares all chunks
-    /// in parallel, a second one walks them in order). Used on CUDA when
-    /// `dk <= 128` and `dv <= 128`; larger heads fall back to
-    /// [`KdaPrefillAlgorithm::Sequential`].
+    /// Chunks of 64 tokens in the WY/UT form with TF32 tensor-core matmuls
+    /// and f32 accumulation (one kernel prepares all chunks in parallel, a
+    /// second one walks them in order). [`kda_recurrence`] uses it from 64
+    /// tokens on. Used on CUDA when `dk <= 128` and `dv <= 128`; larger
+    /// heads fall back to [`KdaPrefillAlgorithm::Sequential`].
     Chunked,
 }
+
+/// The sequence length from which [`kda_recurrence`] computes a CUDA
+/// prefill with [`KdaPrefillAlgorithm::Chunked`] (shorter calls, decode
+/// included, run [`KdaPrefillAlgorithm::Sequential`]). On an H200 at
+/// BerryLM-OS shapes the chunked kernels measured faster from this length
+/// on (`CUDA.md`).
+const CHUNKED_PREFILL_MIN_LEN: usize = 64;
 
 /// Sizes of one `kda_recurrence` call.
 struct RecurrenceDims {
@@ -64,8 +71,10 @@ struct RecurrenceDims {
 ///
 /// Returns `(output [B, T, Hv, dv], final_state [B, Hv, dk, dv])`, both `f32`.
 ///
-/// Prefill on CUDA uses [`KdaPrefillAlgorithm::Sequential`]; use
-/// [`kda_recurrence_with`] to choose the algorithm.
+/// A CUDA prefill of `T >= 64` tokens uses
+/// [`KdaPrefillAlgorithm::Chunked`], a shorter one
+/// [`KdaPrefillAlgorithm::Sequential`]; use [`kda_recurrence_with`] to choose
+/// the algorithm.
 pub fn kda_recurrence(
     q: &Tensor,
     k: &Tensor,
@@ -74,7 +83,13 @@ pub fn kda_recurrence(
     beta: &Tensor,
     state: &Tensor,
 ) -> Result<(Tensor, Tensor)> {
-    kda_recurrence_with(KdaPrefillAlgorithm::Sequential, q, k, v, g, beta, state)
+    let seq_len = q.dims().get(1).copied().unwrap_or(0);
+    let algorithm = if seq_len >= CHUNKED_PREFILL_MIN_LEN {
+        KdaPrefillAlgorithm::Chunked
+    } else {
+        KdaPrefillAlgorithm::Sequential
+    };
+    kda_recurrence_with(algorithm, q, k, v, g, beta, state)
 }
 
 /// [`kda_recurrence`] with an explicit prefill algorithm.

@@ -63,6 +63,25 @@ const TIGHT: Tol = Tol {
     rtol: 1e-4,
 };
 
+/// Unit roundoff of TF32 (10 explicit mantissa bits, rounded to nearest).
+const TF32_UNIT_ROUNDOFF: f64 = 1.0 / 2048.0;
+
+/// For the chunked prefill, whose matmuls round both operands to TF32 and
+/// accumulate in f32 (chunked.cu). A product of two rounded operands is off
+/// by at most 2u relative (u = 2^-11); the output is a second-level product,
+/// `O = Q~ S + Aqk (U - W S)`, so a term carries at most 4u; and the sums of
+/// the terms' magnitudes that these relative errors scale are at most about
+/// twice the largest output (|q^| = |k^| = 1, 0 <= beta <= 1 and decays
+/// <= 1 keep the state and the `d` of every chunk of the order of the
+/// values; the recurrence is a contraction, so errors of earlier chunks
+/// decay instead of adding up). Hence `8u * max|cpu|` absolute. The f32
+/// parts (triangular solve, diagonal blocks, state carry) add errors of
+/// order 2^-24 only.
+const CHUNKED_TF32: Tol = Tol {
+    atol: 8.0 * TF32_UNIT_ROUNDOFF,
+    rtol: 0.0,
+};
+
 /// For outputs in `dtype`: two rounding steps of that dtype at the value,
 /// or one at the largest magnitude of the result (the rounded intermediates,
 /// e.g. AttnRes's `mix - x` or the norm's `n` and `w * n`, can flip by one
@@ -355,6 +374,8 @@ struct RecInputs {
     v: Tensor,
     g: Tensor,
     beta: Tensor,
+    /// `q`, `k`, `v` before rounding to a half-precision `qkv` dtype.
+    unrounded: Option<[Tensor; 3]>,
 }
 
 fn rec_inputs(rng: &mut Rng, s: RecSizes, qkv: DType, g_low: f32) -> Result<RecInputs> {
@@ -366,12 +387,16 @@ fn rec_inputs(rng: &mut Rng, s: RecSizes, qkv: DType, g_low: f32) -> Result<RecI
         dk,
         dv,
     } = s;
+    let q = random(rng, &[b, t, hk, dk], -1.0, 1.0, DType::F32)?;
+    let k = random(rng, &[b, t, hk, dk], -1.0, 1.0, DType::F32)?;
+    let v = random(rng, &[b, t, hv, dv], -1.0, 1.0, DType::F32)?;
     Ok(RecInputs {
-        q: random(rng, &[b, t, hk, dk], -1.0, 1.0, qkv)?,
-        k: random(rng, &[b, t, hk, dk], -1.0, 1.0, qkv)?,
-        v: random(rng, &[b, t, hv, dv], -1.0, 1.0, qkv)?,
+        q: q.to_dtype(qkv)?,
+        k: k.to_dtype(qkv)?,
+        v: v.to_dtype(qkv)?,
         g: random(rng, &[b, t, hv, dk], g_low, 0.0, DType::F32)?,
         beta: random(rng, &[b, t, hv], 0.0, 1.0, DType::F32)?,
+        unrounded: (qkv != DType::F32).then_some([q, k, v]),
     })
 }
 
@@ -385,14 +410,17 @@ fn rec_state(rng: &mut Rng, s: RecSizes, fresh: bool) -> Result<Tensor> {
 }
 
 /// Runs one recurrence call on both devices (on the GPU with `algorithm`)
-/// and compares; returns the states.
+/// and compares; returns the states and whether the GPU ran the chunked
+/// tensor-core kernels. `carried_tf32`: the GPU state comes from an earlier
+/// chunked call (so it carries that call's TF32 error).
 fn rec_step(
     what: &str,
     algorithm: KdaPrefillAlgorithm,
     inputs: &RecInputs,
     state_cpu: &Tensor,
     state_gpu: &Tensor,
-) -> Result<(Tensor, Tensor)> {
+    carried_tf32: bool,
+) -> Result<(Tensor, Tensor, bool)> {
     let dev = gpu();
     let what = format!("{what} [{algorithm:?}]");
     let (o_cpu, s_cpu) = kda_recurrence(
@@ -412,9 +440,68 @@ fn rec_step(
         &to_gpu(&inputs.beta, &dev)?,
         state_gpu,
     )?;
-    compare(&format!("{what} output"), &o_gpu, &o_cpu, TIGHT)?;
-    compare(&format!("{what} state"), &s_gpu, &s_cpu, TIGHT)?;
-    Ok((s_cpu, s_gpu))
+    let [_, t, _, dk] = *inputs.q.dims() else {
+        unreachable!()
+    };
+    let dv = inputs.v.dims()[3];
+    let tensor_cores = algorithm == KdaPrefillAlgorithm::Chunked && t > 1 && dk <= 128 && dv <= 128;
+    let tol = if tensor_cores || carried_tf32 {
+        CHUNKED_TF32
+    } else {
+        TIGHT
+    };
+    compare(&format!("{what} output"), &o_gpu, &o_cpu, tol)?;
+    compare(&format!("{what} state"), &s_gpu, &s_cpu, tol)?;
+    if let (true, DType::BF16, Some([q, k, v])) =
+        (tensor_cores, inputs.q.dtype(), &inputs.unrounded)
+    {
+        let (o_exact, s_exact) = kda_recurrence(q, k, v, &inputs.g, &inputs.beta, state_cpu)?;
+        within_input_rounding(&format!("{what} output"), &o_gpu, &o_cpu, &o_exact)?;
+        within_input_rounding(&format!("{what} state"), &s_gpu, &s_cpu, &s_exact)?;
+    }
+    Ok((s_cpu, s_gpu, tensor_cores))
+}
+
+/// Root mean square of `a - b`.
+fn rms_diff(a: &[f32], b: &[f32]) -> f64 {
+    let sum: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(&x, &y)| (f64::from(x) - f64::from(y)).powi(2))
+        .sum();
+    (sum / a.len().max(1) as f64).sqrt()
+}
+
+/// The criterion for the chunked prefill on bf16 inputs. `rounded` is the
+/// CPU reference on the bf16 inputs, `exact` the CPU reference on the f32
+/// values they were rounded from. The kernel's own error (`cuda - rounded`)
+/// must be at most half the error that rounding the inputs to bf16 causes
+/// (`rounded - exact`), in RMS over the tensor: then `cuda` is at most 1.5x,
+/// and for independent errors about sqrt(1 + 1/4) = 1.12x, as far from the
+/// f32 result as any bf16-input computation in exact arithmetic is. TF32's
+/// unit roundoff (2^-11) is a quarter of bf16's (2^-9), which is where the
+/// margin comes from.
+fn within_input_rounding(
+    what: &str,
+    cuda: &Tensor,
+    rounded: &Tensor,
+    exact: &Tensor,
+) -> Result<()> {
+    let cuda = f32_values(&cuda.to_device(&Device::Cpu)?)?;
+    let rounded = f32_values(rounded)?;
+    let exact = f32_values(exact)?;
+    let kernel = rms_diff(&cuda, &rounded);
+    let input = rms_diff(&rounded, &exact);
+    let total = rms_diff(&cuda, &exact);
+    eprintln!(
+        "{what}: RMS error vs the f32-input reference {total:e}; of the bf16-input reference {input:e}; kernel's own {kernel:e} ({:.3} of the input rounding's)",
+        kernel / input
+    );
+    assert!(
+        kernel <= 0.5 * input,
+        "{what}: kernel error {kernel:e} exceeds half the bf16 input-rounding error {input:e}"
+    );
+    Ok(())
 }
 
 fn rec_case(seed: u64, s: RecSizes, qkv: DType, fresh: bool, g_low: f32) -> Result<()> {
@@ -428,7 +515,7 @@ fn rec_case(seed: u64, s: RecSizes, qkv: DType, fresh: bool, g_low: f32) -> Resu
     );
     let state_gpu = to_gpu(&state, &dev)?;
     for algorithm in ALGORITHMS {
-        rec_step(&what, algorithm, &inputs, &state, &state_gpu)?;
+        rec_step(&what, algorithm, &inputs, &state, &state_gpu, false)?;
     }
     Ok(())
 }
@@ -465,6 +552,11 @@ fn recurrence_prefill_matches_cpu_at_model_shapes() -> Result<()> {
     rec_case(510, model(2, 64), DType::BF16, false, -1.0)?;
     // Strong decay (trained gates reach far below -1).
     rec_case(511, model(1, 64), DType::F32, false, -30.0)?;
+    // Many chunks (16, the last one partial): errors of the chunked state
+    // carry must not grow along the sequence.
+    for qkv in [DType::F32, DType::BF16] {
+        rec_case(512, model(1, 1000), qkv, false, -1.0)?;
+    }
     Ok(())
 }
 
@@ -546,6 +638,7 @@ fn recurrence_chain(dev: &Device, algorithm: KdaPrefillAlgorithm) -> Result<()> 
         let mut rng = Rng::new(700);
         let mut state_cpu = rec_state(&mut rng, sizes, true)?;
         let mut state_gpu = to_gpu(&state_cpu, dev)?;
+        let mut carried_tf32 = false;
         for (step, seq_len) in [64, 1, 1, 1, 3, 1].into_iter().enumerate() {
             let s = RecSizes { seq_len, ..sizes };
             let inputs = rec_inputs(&mut rng, s, qkv, -1.0)?;
@@ -553,7 +646,16 @@ fn recurrence_chain(dev: &Device, algorithm: KdaPrefillAlgorithm) -> Result<()> 
                 "recurrence chain dk={} {qkv:?} step {step} T={seq_len}",
                 s.dk
             );
-            (state_cpu, state_gpu) = rec_step(&what, algorithm, &inputs, &state_cpu, &state_gpu)?;
+            let tensor_cores;
+            (state_cpu, state_gpu, tensor_cores) = rec_step(
+                &what,
+                algorithm,
+                &inputs,
+                &state_cpu,
+                &state_gpu,
+                carried_tf32,
+            )?;
+            carried_tf32 |= tensor_cores;
         }
     }
     Ok(())
@@ -583,6 +685,7 @@ fn recurrence_decode_with_unaligned_state() -> Result<()> {
             &inputs,
             &state,
             &state_gpu,
+            false,
         )?;
     }
     Ok(())
@@ -612,6 +715,7 @@ fn recurrence_widens_mixed_dtypes() -> Result<()> {
             &inputs,
             &state,
             &state_gpu,
+            false,
         )?;
     }
     Ok(())
