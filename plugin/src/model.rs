@@ -192,7 +192,8 @@ impl BerryLm {
             .index_select(&batch.input_ids.flatten_all()?, 0)?;
         let dtype = x.dtype();
 
-        let slots: Vec<u32> = match cache.state_indices() {
+        let state_indices = cache.state_indices().cloned();
+        let slots: Vec<u32> = match &state_indices {
             Some(indices) => indices.to_vec1()?,
             None => Vec::new(),
         };
@@ -234,7 +235,12 @@ impl BerryLm {
                 .reshape((rows, seq_len, hidden))?;
             let mixed = match (&layer.mixer, cache.get_mut(index)) {
                 (Mixer::Kda(kda), Some(HybridLayerCache::Recurrent(pool))) => {
-                    run_kda(kda, &normed, batch, &slots, pool)?
+                    let Some(indices) = &state_indices else {
+                        candle_core::bail!(
+                            "BerryLM forward: the host gave no recurrent state slots"
+                        )
+                    };
+                    run_kda(kda, &normed, batch, indices, &slots, pool)?
                 }
                 (Mixer::Attention(attention), Some(HybridLayerCache::Attention(kv))) => {
                     let kv = match &paged {
@@ -260,10 +266,13 @@ impl BerryLm {
                 ),
             };
             x = (x + mixed.reshape((tokens, hidden))?)?;
-            let moe_out = layer
-                .moe
-                .forward(&layer.post_attention_layernorm.forward(&x)?)?;
-            x = (x + moe_out)?;
+            let moe_out = layer.moe.forward(
+                &layer
+                    .post_attention_layernorm
+                    .forward(&x)?
+                    .reshape((rows, seq_len, hidden))?,
+            )?;
+            x = (x + moe_out.reshape((tokens, hidden))?)?;
             if self.cfg.attn_res_enabled() && (index + 1) % self.cfg.attn_res_block_size == 0 {
                 committed.push(x.clone());
             }
@@ -285,15 +294,15 @@ impl BerryLm {
         seq_len: usize,
         dtype: DType,
     ) -> Result<(Tensor, Tensor)> {
-        let mut cos_rows = Vec::with_capacity(batch.seqlen_offsets.len());
-        let mut sin_rows = Vec::with_capacity(batch.seqlen_offsets.len());
-        for offset in batch.seqlen_offsets {
-            let positions: Vec<usize> = (*offset..offset + seq_len).collect();
-            let (cos, sin) = self.rope.cos_sin(&positions, dtype, &self.device)?;
-            cos_rows.push(cos);
-            sin_rows.push(sin);
-        }
-        Ok((Tensor::stack(&cos_rows, 0)?, Tensor::stack(&sin_rows, 0)?))
+        // Every row's positions in one table: one upload per forward.
+        let positions: Vec<usize> = batch
+            .seqlen_offsets
+            .iter()
+            .flat_map(|&offset| offset..offset + seq_len)
+            .collect();
+        let (cos, sin) = self.rope.cos_sin(&positions, dtype, &self.device)?;
+        let dims = (batch.seqlen_offsets.len(), seq_len, cos.dim(1)?);
+        Ok((cos.reshape(dims)?, sin.reshape(dims)?))
     }
 
     fn causal_mask(
@@ -314,25 +323,26 @@ impl BerryLm {
     }
 }
 
-/// Runs a KDA layer on every row, reading and writing each sequence's slot.
+/// Runs a KDA layer on every row, reading and writing each sequence's slot
+/// (`slots`, and the same on the device as `indices`).
 fn run_kda(
     kda: &Kda,
     normed: &Tensor,
     batch: &ForwardBatch<'_>,
+    indices: &Tensor,
     slots: &[u32],
     pool: &mut mistralrs_core::plugin_api::RecurrentStatePool,
 ) -> Result<Tensor> {
     let (rows, seq_len, _) = normed.dims3()?;
     let all_full = batch.token_counts.iter().all(|count| *count == seq_len);
     let out = if all_full {
-        let indices = Tensor::new(slots, pool.device())?;
         let mut state = KdaState {
-            conv: pool.gather_conv_state(&indices)?,
-            recurrent: pool.gather_recurrent_state(&indices)?,
+            conv: pool.gather_conv_state(indices)?,
+            recurrent: pool.gather_recurrent_state(indices)?,
         };
         let out = kda.forward(normed, &mut state)?;
-        pool.scatter_conv_state(&indices, &state.conv)?;
-        pool.scatter_recurrent_state(&indices, &state.recurrent)?;
+        write_slots(&pool.conv_state, slots, &state.conv)?;
+        write_slots(&pool.recurrent_state, slots, &state.recurrent)?;
         out
     } else {
         // Padded rows: run each sequence on its real tokens only, so padding
@@ -346,8 +356,8 @@ fn run_kda(
             };
             let row_input = normed.i((row..row + 1, ..count))?;
             let row_out = kda.forward(&row_input, &mut state)?;
-            pool.scatter_conv_state(&index, &state.conv)?;
-            pool.scatter_recurrent_state(&index, &state.recurrent)?;
+            write_slots(&pool.conv_state, &[slot], &state.conv)?;
+            write_slots(&pool.recurrent_state, &[slot], &state.recurrent)?;
             outputs.push(if count < seq_len {
                 row_out.pad_with_zeros(1, 0, seq_len - count)?
             } else {
@@ -364,4 +374,21 @@ fn run_kda(
         pool.set_seqlen_offset(slot as usize, offset + count);
     }
     Ok(out)
+}
+
+/// Writes row `i` of `values` into row `slots[i]` of the pool tensor `pool`,
+/// one copy per run of consecutive slots. Unlike the pool's scatter, this
+/// reads no indices back from the device, so it never waits for it.
+fn write_slots(pool: &Tensor, slots: &[u32], values: &Tensor) -> Result<()> {
+    let mut start = 0;
+    while start < slots.len() {
+        let mut end = start + 1;
+        while end < slots.len() && slots[end] == slots[end - 1] + 1 {
+            end += 1;
+        }
+        let run = values.narrow(0, start, end - start)?.contiguous()?;
+        pool.slice_set(&run, 0, slots[start] as usize)?;
+        start = end;
+    }
+    Ok(())
 }

@@ -1,8 +1,22 @@
 //! The sparse MoE of every layer: softmax top-k routing over SwiGLU experts plus
 //! a sigmoid-gated shared expert.
+//!
+//! On the CPU the routing runs on the host and each chosen expert runs on its
+//! tokens: the exact f32 oracle of the reference. On a GPU the routing (fp32
+//! softmax, top-k, renormalisation, weights rounded to the activation dtype)
+//! runs on the device; in f16/bf16 the experts then run in the host's fused MoE
+//! kernels (two launches for all routed tokens, no host round trip), otherwise
+//! (f32, or sizes those kernels do not take) the top-k ids and weights are read
+//! back once and each chosen expert runs on its tokens as on the CPU.
 
-use candle_core::{DType, IndexOp, Module, Result, Tensor, D};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
 use candle_nn::ops::{sigmoid, softmax_last_dim};
+use mistralrs_core::layers::Activation;
+use mistralrs_core::plugin_api::{MoEExperts, MoEExpertsConfig};
+use mistralrs_quant::{Comm, Id, ShardedSafeTensors};
 
 use crate::config::BerryLmConfig;
 use crate::layers::linear::Linear;
@@ -26,10 +40,23 @@ impl Expert {
     }
 }
 
-#[derive(Debug, Clone)]
+/// The routed experts' weights.
+#[derive(Clone)]
+enum Experts {
+    /// Each expert on its own, run on the tokens routed to it.
+    PerExpert(Vec<Expert>),
+    /// The host's fused MoE (CUDA, f16/bf16): every routed token of every
+    /// expert in one launch per projection.
+    Fused(Arc<MoEExperts>),
+}
+
+/// Tokens and weights routed to each expert, in token order.
+type Routed = Vec<(Vec<u32>, Vec<f32>)>;
+
+#[derive(Clone)]
 pub struct SparseMoe {
     router: Linear,
-    experts: Vec<Expert>,
+    experts: Experts,
     shared_expert: Expert,
     shared_expert_gate: Linear,
     top_k: usize,
@@ -42,23 +69,56 @@ impl SparseMoe {
         let hidden = cfg.hidden_size;
         let inter = cfg.moe_intermediate_size;
         let experts_weights = mlp.pp("experts");
-        let experts = if experts_weights.contains("gate_up_proj") {
+        let stacked = experts_weights.contains("gate_up_proj");
+        let experts = if fused_experts_apply(weights.device(), weights.dtype(), cfg) {
+            let tensors = if stacked {
+                let gate_up =
+                    experts_weights.get((cfg.num_experts, 2 * inter, hidden), "gate_up_proj")?;
+                let down = experts_weights.get((cfg.num_experts, hidden, inter), "down_proj")?;
+                (0..cfg.num_experts)
+                    .map(|e| {
+                        let gate_up = gate_up.i(e)?;
+                        Ok([
+                            gate_up.narrow(0, 0, inter)?,
+                            gate_up.narrow(0, inter, inter)?,
+                            down.i(e)?,
+                        ])
+                    })
+                    .collect::<crate::error::Result<Vec<_>>>()?
+            } else {
+                (0..cfg.num_experts)
+                    .map(|e| {
+                        let expert = experts_weights.pp(e);
+                        Ok([
+                            expert.pp("gate_proj").get((inter, hidden), "weight")?,
+                            expert.pp("up_proj").get((inter, hidden), "weight")?,
+                            expert.pp("down_proj").get((hidden, inter), "weight")?,
+                        ])
+                    })
+                    .collect::<crate::error::Result<Vec<_>>>()?
+            };
+            Experts::Fused(Arc::new(load_fused(tensors, weights, cfg)?))
+        } else if stacked {
             let gate_up =
                 experts_weights.get((cfg.num_experts, 2 * inter, hidden), "gate_up_proj")?;
             let down = experts_weights.get((cfg.num_experts, hidden, inter), "down_proj")?;
-            (0..cfg.num_experts)
-                .map(|e| {
-                    Ok(Expert {
-                        gate_up: Linear::new(gate_up.i(e)?.contiguous()?, None),
-                        down: Linear::new(down.i(e)?.contiguous()?, None),
-                        intermediate: inter,
+            Experts::PerExpert(
+                (0..cfg.num_experts)
+                    .map(|e| {
+                        Ok(Expert {
+                            gate_up: Linear::new(gate_up.i(e)?.contiguous()?, None),
+                            down: Linear::new(down.i(e)?.contiguous()?, None),
+                            intermediate: inter,
+                        })
                     })
-                })
-                .collect::<crate::error::Result<Vec<_>>>()?
+                    .collect::<crate::error::Result<Vec<_>>>()?,
+            )
         } else {
-            (0..cfg.num_experts)
-                .map(|e| load_split_expert(&experts_weights.pp(e), hidden, inter))
-                .collect::<crate::error::Result<Vec<_>>>()?
+            Experts::PerExpert(
+                (0..cfg.num_experts)
+                    .map(|e| load_split_expert(&experts_weights.pp(e), hidden, inter))
+                    .collect::<crate::error::Result<Vec<_>>>()?,
+            )
         };
         let shared_expert = load_split_expert(
             &mlp.pp("shared_expert"),
@@ -75,16 +135,54 @@ impl SparseMoe {
         })
     }
 
-    /// `x` is `[N, hidden]`.
+    /// `x` is `[B, T, hidden]` (`B` sequences of `T` tokens); so is the result.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (rows, seq_len, hidden) = x.dims3()?;
         let dtype = x.dtype();
-        let router_logits = self.router.forward(x)?;
+        let flat = x.reshape((rows * seq_len, hidden))?;
+        let router_logits = self.router.forward(&flat)?;
         let probs = softmax_last_dim(&router_logits.to_dtype(DType::F32)?)?;
-        let probs: Vec<Vec<f32>> = probs.to_vec2()?;
 
-        // Tokens and (renormalised, dtype-rounded) weights per expert.
-        let mut routed: Vec<(Vec<u32>, Vec<f32>)> =
-            vec![(Vec::new(), Vec::new()); self.experts.len()];
+        let routed_out = match &self.experts {
+            Experts::Fused(experts) => {
+                let (weights, ids) = self.route_on_device(&probs, dtype)?;
+                // The host picks its kernels from the shape: `[B, 1, hidden]`
+                // decodes (GEMV / GEMM kernels), `T > 1` prefills (tensor cores).
+                experts
+                    .forward(&x.contiguous()?, weights, &ids)?
+                    .reshape((rows * seq_len, hidden))?
+            }
+            Experts::PerExpert(experts) => {
+                let routed = if x.device().is_cpu() {
+                    self.route_on_host(&probs, experts.len())?
+                } else {
+                    let (weights, ids) = self.route_on_device(&probs, dtype)?;
+                    let mut routed: Routed = vec![(Vec::new(), Vec::new()); experts.len()];
+                    let ids: Vec<Vec<u32>> = ids.to_vec2()?;
+                    let weights: Vec<Vec<f32>> = weights.to_vec2()?;
+                    for (token, (token_ids, token_weights)) in ids.iter().zip(&weights).enumerate()
+                    {
+                        for (&expert, &weight) in token_ids.iter().zip(token_weights) {
+                            routed[expert as usize].0.push(token as u32);
+                            routed[expert as usize].1.push(weight);
+                        }
+                    }
+                    routed
+                };
+                run_experts(experts, &flat, routed)?
+            }
+        };
+
+        let shared = self.shared_expert.forward(&flat)?;
+        let shared_gate = sigmoid(&self.shared_expert_gate.forward(&flat)?)?;
+        (routed_out + shared.broadcast_mul(&shared_gate)?)?.reshape((rows, seq_len, hidden))
+    }
+
+    /// Top-k of each row of `probs` `[N, experts]` (ties to the lower index),
+    /// renormalised if configured, per expert.
+    fn route_on_host(&self, probs: &Tensor, experts: usize) -> Result<Routed> {
+        let probs: Vec<Vec<f32>> = probs.to_vec2()?;
+        let mut routed: Routed = vec![(Vec::new(), Vec::new()); experts];
         for (token, row) in probs.iter().enumerate() {
             let mut order: Vec<usize> = (0..row.len()).collect();
             order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
@@ -100,25 +198,87 @@ impl SparseMoe {
                 routed[expert].1.push(weight);
             }
         }
-
-        let mut out = x.zeros_like()?;
-        for (expert, (tokens, token_weights)) in self.experts.iter().zip(routed) {
-            if tokens.is_empty() {
-                continue;
-            }
-            let count = tokens.len();
-            let index = Tensor::from_vec(tokens, count, x.device())?;
-            let expert_out = expert.forward(&x.index_select(&index, 0)?)?;
-            let token_weights =
-                Tensor::from_vec(token_weights, (count, 1), x.device())?.to_dtype(dtype)?;
-            let weighted = expert_out.broadcast_mul(&token_weights)?;
-            out = out.index_add(&index, &weighted, 0)?;
-        }
-
-        let shared = self.shared_expert.forward(x)?;
-        let shared_gate = sigmoid(&self.shared_expert_gate.forward(x)?)?;
-        out + shared.broadcast_mul(&shared_gate)?
+        Ok(routed)
     }
+
+    /// Top-k of each row of `probs` `[N, experts]` on the device (the order of
+    /// exact ties is the sort's): weights `[N, k]` f32, renormalised if
+    /// configured and rounded to `dtype`, and expert ids `[N, k]` u32.
+    fn route_on_device(&self, probs: &Tensor, dtype: DType) -> Result<(Tensor, Tensor)> {
+        let ids = probs
+            .arg_sort_last_dim(false)?
+            .narrow(D::Minus1, 0, self.top_k)?
+            .contiguous()?;
+        let mut weights = probs.gather(&ids, D::Minus1)?;
+        if self.norm_topk_prob {
+            weights = weights.broadcast_div(&weights.sum_keepdim(D::Minus1)?)?;
+        }
+        Ok((weights.to_dtype(dtype)?.to_dtype(DType::F32)?, ids))
+    }
+}
+
+/// Whether the experts run in the host's fused MoE kernels: on CUDA, in f16 or
+/// bf16 (their only dtypes), without immediate ISQ (with it the host would pick
+/// another backend), and with `hidden` and the expert width multiples of 64
+/// (the decode GEMM's K tile; the other kernels need multiples of 8).
+fn fused_experts_apply(device: &Device, dtype: DType, cfg: &BerryLmConfig) -> bool {
+    device.is_cuda()
+        && matches!(dtype, DType::F16 | DType::BF16)
+        && cfg.hidden_size % 64 == 0
+        && cfg.moe_intermediate_size % 64 == 0
+        && mistralrs_quant::get_immediate_isq().is_none()
+}
+
+/// The host's fused experts from `[gate, up, down]` per expert (`[I, H]`,
+/// `[I, H]`, `[H, I]`), given to it under the per-expert names it loads
+/// (unambiguous, unlike a stacked `gate_up_proj` whose two layouts have the
+/// same shape when `H = 2I`).
+fn load_fused(
+    tensors: Vec<[Tensor; 3]>,
+    weights: &Weights,
+    cfg: &BerryLmConfig,
+) -> crate::error::Result<MoEExperts> {
+    let mut named = HashMap::with_capacity(3 * tensors.len());
+    for (e, [gate, up, down]) in tensors.into_iter().enumerate() {
+        named.insert(format!("{e}.gate_proj.weight"), gate);
+        named.insert(format!("{e}.up_proj.weight"), up);
+        named.insert(format!("{e}.down_proj.weight"), down);
+    }
+    let device = weights.device().clone();
+    let comm = Arc::new(Comm::from_device(Id::new(), &device, 0, 1)?);
+    let experts = MoEExperts::new_direct(
+        &MoEExpertsConfig {
+            num_experts: cfg.num_experts,
+            num_experts_per_tok: cfg.num_experts_per_tok,
+            hidden_size: cfg.hidden_size,
+            moe_intermediate_size: cfg.moe_intermediate_size,
+        },
+        ShardedSafeTensors::wrap(Box::new(named), weights.dtype(), device),
+        &comm,
+        false,
+        &None,
+        Activation::Silu,
+    )?;
+    Ok(experts)
+}
+
+/// Runs each expert on the tokens of `x` `[N, hidden]` routed to it and sums
+/// the weighted outputs (weights cast to the activation dtype) in expert order.
+fn run_experts(experts: &[Expert], x: &Tensor, routed: Routed) -> Result<Tensor> {
+    let mut out = x.zeros_like()?;
+    for (expert, (tokens, token_weights)) in experts.iter().zip(routed) {
+        if tokens.is_empty() {
+            continue;
+        }
+        let count = tokens.len();
+        let index = Tensor::from_vec(tokens, count, x.device())?;
+        let expert_out = expert.forward(&x.index_select(&index, 0)?)?;
+        let token_weights =
+            Tensor::from_vec(token_weights, (count, 1), x.device())?.to_dtype(x.dtype())?;
+        let weighted = expert_out.broadcast_mul(&token_weights)?;
+        out = out.index_add(&index, &weighted, 0)?;
+    }
+    Ok(out)
 }
 
 fn load_split_expert(
