@@ -11,7 +11,9 @@
 # fixture, f32 and bf16), bench (the 8-layer BerryLM-OS-shaped benchmark),
 # paged (paged vs contiguous KV), invariance-paged / invariance-contiguous (the
 # serving invariance tests with paged attention on / off), template (chat
-# template and grammar-pinned tool calls).
+# template and grammar-pinned tool calls), e2e (batch-1 decode end to end through
+# `mistralrs serve` on an 8-layer BerryLM-OS-shaped random bf16 checkpoint, next to
+# the bench's model forward: tools/e2e_decode.py; about 6 minutes at most).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN="${BIN:-/tmp/berrylm-bin}"
@@ -25,6 +27,53 @@ export LD_LIBRARY_PATH="${CUDA_RUNTIME_LIBS:-/usr/local/cuda-13.0/targets/x86_64
 export BERRYLM_HOST_BIN="$BIN/mistralrs" BERRYLM_FIXTURES="$PWD/tests/fixtures"
 FIXTURES="tiny-hf small-hybrid small-hybrid-alt-layout small-hybrid-bf16 variant-a variant-b no-attnres trained-tiny"
 status=0
+E2E_CHECKPOINT="${E2E_CHECKPOINT:-/tmp/berrylm-os-8l}" E2E_PORT="${E2E_PORT:-18500}"
+
+# The e2e step: writes the checkpoint (once per machine), measures the model
+# forward at batch 1 with the bench, serves the checkpoint (paged attention, the
+# CUDA default, with an 8 GiB KV pool) and measures decode through HTTP.
+e2e() {
+    local url="http://127.0.0.1:$E2E_PORT" forward="" server code
+    if [ ! -f "$E2E_CHECKPOINT/model.safetensors" ]; then
+        timeout 240 "$BIN/berrylm-bench" --device cuda --layers 8 \
+            --save-checkpoint "$E2E_CHECKPOINT" || { rm -rf "$E2E_CHECKPOINT"; return 1; }
+    fi
+    if timeout 150 "$BIN/berrylm-bench" --device cuda --dtype bf16 --layers 8 --prefill none \
+        --decode 1 --context 32 --no-kernels --json /tmp/berrylm-e2e-forward.json; then
+        forward="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["decode"][0]["ms_per_step"])' \
+            /tmp/berrylm-e2e-forward.json)"
+    fi
+    timeout 420 "$BIN/mistralrs" serve -m "$E2E_CHECKPOINT" --port "$E2E_PORT" --dtype bf16 \
+        --pa-memory-mb 8192 > "${OUT:-/tmp}/e2e-server.log" 2>&1 &
+    server=$!
+    python3 - "$url/v1/models" "$server" <<'PY'
+import os, sys, time, urllib.request
+deadline = time.time() + 300
+while time.time() < deadline:
+    try:
+        os.kill(int(sys.argv[2]), 0)
+    except OSError:
+        sys.exit("the server exited before it was ready")
+    try:
+        urllib.request.urlopen(sys.argv[1], timeout=5).read()
+        sys.exit(0)
+    except OSError:
+        time.sleep(2)
+sys.exit("the server was not ready within 5 minutes")
+PY
+    code=$?
+    if [ "$code" -eq 0 ]; then
+        timeout 240 python3 tools/e2e_decode.py --url "$url" --prompt-tokens 32 --max-tokens 129 \
+            --repeats 5 --warmup 2 ${forward:+--compare-forward-ms "$forward"} \
+            ${OUT:+--json "$OUT/e2e.json"}
+        code=$?
+    fi
+    kill "$server" 2>/dev/null
+    wait "$server" 2>/dev/null
+    echo "--- server log (tail)"
+    tail -n 30 "${OUT:-/tmp}/e2e-server.log"
+    return "$code"
+}
 
 log() { if [ -n "${OUT:-}" ]; then tee -a "$OUT/$1.log"; else cat; fi; }
 
@@ -48,6 +97,7 @@ step() {
         "$BIN/test-server_invariance" --test-threads 1 ;;
     template) BERRYLM_SERVER_ARGS="--paged-attn on --pa-memory-mb 1024" \
         "$BIN/test-server_chat_template" --test-threads 1 ;;
+    e2e) e2e ;;
     *) echo "unknown step $1" >&2; return 2 ;;
     esac
 }

@@ -10,9 +10,9 @@ usage: berrylm-bench [--device cpu|cuda] [--dtype bf16|f32] [--layers N] [--tiny
                      [--prefill LIST] [--decode LIST] [--json OUT] [options]
 
 Builds a BerryLM-OS-shaped model with random weights on the device (nothing is
-read from or written to disk) and measures prefill and decode throughput of the
-berrylm plugin, the time of one KDA layer's kernels, the device's copy
-bandwidth and the weight-read floor of a decode step.
+read from disk, nothing written but --json and --save-checkpoint) and measures
+prefill and decode throughput of the berrylm plugin, the time of one KDA layer's
+kernels, the device's copy bandwidth and the weight-read floor of a decode step.
 
   --device D           cpu or cuda (GPU 0); default cuda in a CUDA build, else cpu
   --dtype D            weights and activations: bf16 or f32; default bf16 on cuda, f32
@@ -33,6 +33,10 @@ bandwidth and the weight-read floor of a decode step.
   --copy-mib N         size of the bandwidth copy (default 1024 on a GPU, 256 on the CPU)
   --seed N             seed of the token ids (default 0)
   --json OUT           also write every figure as JSON
+  --save-checkpoint DIR  instead of benchmarking, write the model as a servable
+                       checkpoint: DIR/config.json, DIR/model.safetensors (bf16,
+                       generated on the device tensor by tensor) and a word-level
+                       tokenizer over `t0 ... t{vocab-1}` (eos: the last word)
   --help               this text
 ";
 
@@ -118,6 +122,7 @@ pub struct Args {
     pub copy_mib: usize,
     pub seed: u64,
     pub json: Option<PathBuf>,
+    pub save_checkpoint: Option<PathBuf>,
 }
 
 impl Args {
@@ -145,6 +150,7 @@ impl Args {
             copy_mib: 0,
             seed: 0,
             json: None,
+            save_checkpoint: None,
         };
         let mut dtype = None;
         let mut iter = args.into_iter();
@@ -182,6 +188,9 @@ impl Args {
                 "--copy-mib" => parsed.copy_mib = positive(&name, &value("a number")?)?,
                 "--seed" => parsed.seed = number(&name, &value("a number")?)? as u64,
                 "--json" => parsed.json = Some(PathBuf::from(value("a file")?)),
+                "--save-checkpoint" => {
+                    parsed.save_checkpoint = Some(PathBuf::from(value("a folder")?));
+                }
                 other => bail!("unexpected argument `{other}`\n{USAGE}"),
             }
             if inline.is_some() && matches!(name.as_str(), "--tiny" | "--no-kernels" | "--help") {
@@ -266,6 +275,8 @@ mod tests {
             "--decode=1,2",
             "--json",
             "out.json",
+            "--save-checkpoint",
+            "/tmp/ck",
         ])
         .unwrap()
         .unwrap();
@@ -277,6 +288,7 @@ mod tests {
         assert_eq!(args.decode, vec![1, 2]);
         assert_eq!(args.copy_mib, 256);
         assert_eq!(args.json, Some(PathBuf::from("out.json")));
+        assert_eq!(args.save_checkpoint, Some(PathBuf::from("/tmp/ck")));
         assert!(parse(&["--prefill", "none"])
             .unwrap()
             .unwrap()
@@ -290,6 +302,7 @@ mod tests {
         for bad in [
             &["--layers", "0"][..],
             &["--layers"],
+            &["--save-checkpoint"],
             &["--dtype", "f16"],
             &["--device", "cpu", "--dtype", "bf16"],
             &["--device", "metal"],

@@ -1,6 +1,7 @@
 //! `berrylm-bench`: throughput of the berrylm plugin on a BerryLM-OS-shaped
 //! model with random weights generated on the device (nothing is read from or
-//! written to disk but the optional JSON report).
+//! written to disk but the optional JSON report; `--save-checkpoint` writes the
+//! model as a servable checkpoint instead, see checkpoint.rs).
 //!
 //! It measures, synchronising the device before every clock read:
 //! * batch-1 prefill tokens/s at several prompt lengths;
@@ -16,6 +17,7 @@
 //! non-paged path runs it; sampling and scheduling are not included.
 
 mod args;
+mod checkpoint;
 mod measure;
 mod shape;
 
@@ -56,6 +58,21 @@ fn run() -> Result<bool> {
     } else {
         ModelShape::full(args.layers)
     };
+    if let Some(dir) = &args.save_checkpoint {
+        println!(
+            "writing a random {} checkpoint ({}, {} layers) to {}",
+            if args.tiny {
+                "tiny"
+            } else {
+                "BerryLM-OS-shaped"
+            },
+            shape.layout(),
+            shape.layers,
+            dir.display()
+        );
+        checkpoint::save(&shape, dir, &device)?;
+        return Ok(true);
+    }
     let mut bench = Bench {
         args: &args,
         device: &device,

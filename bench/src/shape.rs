@@ -415,7 +415,7 @@ impl WeightSpec {
     }
 
     /// The tensor, generated on `device` in f32 and cast to `dtype`.
-    fn generate(&self, dtype: DType, device: &Device) -> Result<Tensor> {
+    pub(crate) fn generate(&self, dtype: DType, device: &Device) -> Result<Tensor> {
         let dims = self.dims.as_slice();
         let values = match self.init {
             Init::Normal { mean, std } => Tensor::randn(mean as f32, std as f32, dims, device)?,

@@ -4,6 +4,7 @@
 //! figures for every requested size, in its table and in its JSON.
 
 use anyhow::{Context, Result};
+use candle_core::{DType, Device};
 use serde_json::Value;
 
 fn positive(value: &Value, what: &str) -> f64 {
@@ -147,5 +148,80 @@ fn tiny_cpu_run_reports_every_requested_figure() -> Result<()> {
         positive(&case["kda_layer_ops_us"], "KDA layer sum");
     }
     std::fs::remove_dir_all(&out).ok();
+    Ok(())
+}
+
+/// `--save-checkpoint`: the tiny model written as a checkpoint folder loads
+/// back through the plugin (so every tensor is there under its HF name), its
+/// config round-trips and the word-level tokenizer covers the vocabulary.
+#[test]
+fn saved_tiny_checkpoint_loads_back() -> Result<()> {
+    let dir = std::env::temp_dir().join(format!("berrylm-bench-ckpt-{}", std::process::id()));
+    let output = std::process::Command::new(berrylm_tests::workspace_binary("berrylm-bench")?)
+        .args([
+            "--device",
+            "cpu",
+            "--tiny",
+            "--layers",
+            "4",
+            "--save-checkpoint",
+        ])
+        .arg(&dir)
+        .output()
+        .context("running berrylm-bench --save-checkpoint")?;
+    assert!(
+        output.status.success(),
+        "berrylm-bench --save-checkpoint failed ({}):\n{}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    for file in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
+        assert!(dir.join(file).is_file(), "no {file} in {}", dir.display());
+    }
+
+    let config_text = std::fs::read_to_string(dir.join("config.json"))?;
+    let config: Value = serde_json::from_str(&config_text)?;
+    assert_eq!(config["model_type"], "berrylm");
+    assert_eq!(config["eos_token_id"], 2047);
+    let parsed = berrylm::BerryLmConfig::from_json(&config_text)?;
+    assert_eq!(
+        (
+            parsed.vocab_size,
+            parsed.hidden_size,
+            parsed.num_hidden_layers
+        ),
+        (2048, 256, 4)
+    );
+    assert_eq!((parsed.num_experts, parsed.num_experts_per_tok), (8, 2));
+    assert_eq!(parsed.linear_num_value_heads, 8);
+    assert_eq!(parsed.kda_gate_bottleneck, 32);
+    assert_eq!(parsed.num_full_attention_layers(), 1);
+
+    // Every weight is stored in bf16; the plugin loads the whole set.
+    let tensors = candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu)?;
+    assert!(tensors.values().all(|t| t.dtype() == DType::BF16));
+    assert_eq!(
+        tensors["model.embed_tokens.weight"].dims(),
+        &[2048usize, 256][..]
+    );
+    let model = berrylm::driver::load_checkpoint(&dir, DType::F32, &Device::Cpu)
+        .context("loading the saved checkpoint")?;
+    assert_eq!(model.config().num_hidden_layers, 4);
+
+    let tokenizer: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer.json"))?)?;
+    let vocab = tokenizer["model"]["vocab"].as_object().context("vocab")?;
+    assert_eq!(vocab.len(), 2048);
+    assert_eq!(vocab["t0"], 0);
+    assert_eq!(vocab["t2047"], 2047);
+    assert_eq!(tokenizer["model"]["type"], "WordLevel");
+    std::fs::remove_dir_all(&dir).ok();
     Ok(())
 }
