@@ -5,8 +5,8 @@ use std::sync::{Arc, Mutex};
 use candle_core::{Device, Result, Tensor};
 use mistralrs_core::plugin_api::{
     AnyMoeBaseModelMixin, ChatOutputParser, ChatOutputRequest, DeviceMapper, EitherCache,
-    FlashParams, IsqModel, KvCacheLayout, ModelConfigLike, ModelConfigMetadata, NonGranularState,
-    NormalModel, PagedAttentionInputMetadata, UnVarBuilder,
+    FlashParams, HybridLayerCache, IsqModel, KvCacheLayout, ModelConfigLike, ModelConfigMetadata,
+    NonGranularState, NormalModel, PagedAttentionInputMetadata, UnVarBuilder,
 };
 use mistralrs_quant::QuantMethod;
 
@@ -55,6 +55,25 @@ pub fn model_metadata(
     }
 }
 
+/// `in use/capacity` of the first recurrent layer's state pool (the host
+/// allocates a sequence's slot in every recurrent layer at once), for the
+/// forward's debug line.
+fn recurrent_slots_in_use(cache: &EitherCache) -> String {
+    let cache = cache.hybrid();
+    cache
+        .caches
+        .iter()
+        .find_map(HybridLayerCache::as_recurrent_pool)
+        .map(|pool| {
+            format!(
+                "{}/{}",
+                pool.capacity() - pool.num_free_slots(),
+                pool.capacity()
+            )
+        })
+        .unwrap_or_else(|| "none".to_string())
+}
+
 impl NormalModel for BerryLmHostModel {
     fn forward(
         &self,
@@ -80,7 +99,8 @@ impl NormalModel for BerryLmHostModel {
             );
         }
         tracing::debug!(
-            "berrylm forward: {rows} sequences x {seq_len} tokens at positions {seqlen_offsets:?}"
+            "berrylm forward: {rows} sequences x {seq_len} tokens at positions {seqlen_offsets:?}, recurrent slots in use {}",
+            recurrent_slots_in_use(&self.cache)
         );
         let batch = ForwardBatch {
             input_ids,

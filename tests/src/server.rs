@@ -65,15 +65,10 @@ impl Server {
         }
     }
 
-    fn request(
-        &self,
-        method: &str,
-        path: &str,
-        body: Option<&serde_json::Value>,
-    ) -> Result<(u16, String)> {
+    fn request(&self, method: &str, path: &str, body: Option<&str>) -> Result<(u16, String)> {
         let mut stream = TcpStream::connect(("127.0.0.1", self.port))?;
         stream.set_read_timeout(Some(Duration::from_secs(300)))?;
-        let body = body.map(|b| b.to_string()).unwrap_or_default();
+        let body = body.unwrap_or_default();
         write!(
             stream,
             "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
@@ -127,6 +122,26 @@ impl Server {
         Ok((status, String::from_utf8_lossy(&body).into_owned()))
     }
 
+    /// The server's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Resident memory of the server process (`VmRSS` in `/proc/<pid>/status`), in KiB.
+    pub fn resident_memory_kib(&self) -> Result<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()))?;
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix("VmRSS:"))
+            .and_then(|value| value.trim().trim_end_matches("kB").trim().parse().ok())
+            .context("no VmRSS in /proc/<pid>/status")
+    }
+
+    /// Whether the server process is still running.
+    pub fn is_running(&mut self) -> Result<bool> {
+        Ok(self.child.try_wait()?.is_none())
+    }
+
     /// What the server logged so far (`info`, and `debug` for berrylm).
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
@@ -156,8 +171,14 @@ impl Server {
         ))
     }
 
+    /// POSTs `body` as it is (which need not be valid JSON) and returns the
+    /// status and the response body's text.
+    pub fn post_raw(&self, path: &str, body: &str) -> Result<(u16, String)> {
+        self.request("POST", path, Some(body))
+    }
+
     pub fn post(&self, path: &str, body: &serde_json::Value) -> Result<(u16, serde_json::Value)> {
-        let (status, text) = self.request("POST", path, Some(body))?;
+        let (status, text) = self.request("POST", path, Some(&body.to_string()))?;
         Ok((
             status,
             serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text)),
@@ -170,7 +191,7 @@ impl Server {
         path: &str,
         body: &serde_json::Value,
     ) -> Result<(u16, Vec<serde_json::Value>)> {
-        let (status, text) = self.request("POST", path, Some(body))?;
+        let (status, text) = self.request("POST", path, Some(&body.to_string()))?;
         let events = text
             .lines()
             .filter_map(|line| line.strip_prefix("data:"))

@@ -1,0 +1,208 @@
+//! Bad requests never take the server down: each gets an HTTP 4xx whose body
+//! says what is wrong, and afterwards the server answers a normal chat
+//! completion with exactly the tokens it gave before them.
+
+use anyhow::Result;
+use berrylm_tests::server::Server;
+use berrylm_tests::Fixture;
+
+const CHAT: &str = "/v1/chat/completions";
+
+fn start(fixture: &Fixture) -> Result<Server> {
+    Server::start(&fixture.model_dir, &["--dtype", "f32"])
+}
+
+/// The golden "What is 7 + 5?" conversation, greedy.
+fn normal_request(fixture: &Fixture) -> serde_json::Value {
+    serde_json::json!({
+        "model": "default",
+        "messages": fixture.facts["sequences"][0]["messages"],
+        "temperature": 0.0,
+        "max_tokens": 64,
+    })
+}
+
+/// The answer's message and token counts (the parts that do not change
+/// between identical greedy requests).
+fn normal_answer(server: &Server, fixture: &Fixture) -> Result<serde_json::Value> {
+    let (status, response) = server.post(CHAT, &normal_request(fixture))?;
+    anyhow::ensure!(status == 200, "HTTP {status}: {response}");
+    Ok(serde_json::json!({
+        "message": response["choices"][0]["message"],
+        "finish_reason": response["choices"][0]["finish_reason"],
+        "prompt_tokens": response["usage"]["prompt_tokens"],
+        "completion_tokens": response["usage"]["completion_tokens"],
+    }))
+}
+
+/// Posts `body` and asserts an HTTP 4xx whose body mentions `names`.
+fn assert_rejected(server: &Server, what: &str, body: &str, names: &str) -> Result<()> {
+    let (status, response) = server.post_raw(CHAT, body)?;
+    assert!(
+        (400..500).contains(&status),
+        "{what}: expected an HTTP 4xx, got {status}: {response}"
+    );
+    assert!(
+        response.contains(names),
+        "{what}: HTTP {status} but the body does not mention {names:?}: {response}"
+    );
+    Ok(())
+}
+
+/// The server is alive, did not panic and gives the same answer as `before`.
+fn assert_still_serving(
+    server: &mut Server,
+    fixture: &Fixture,
+    before: &serde_json::Value,
+) -> Result<()> {
+    assert!(server.is_running()?, "the server exited:\n{}", server.log());
+    assert_eq!(
+        &normal_answer(server, fixture)?,
+        before,
+        "the answer changed after the bad requests"
+    );
+    let log = server.log();
+    assert!(!log.contains("panicked at"), "the server panicked:\n{log}");
+    Ok(())
+}
+
+fn hello(extra: serde_json::Value) -> String {
+    let mut body = serde_json::json!({
+        "model": "default",
+        "messages": [{"role": "user", "content": "Hello!"}],
+        "max_tokens": 4,
+    });
+    if let (Some(body), Some(extra)) = (body.as_object_mut(), extra.as_object()) {
+        for (key, value) in extra {
+            body.insert(key.clone(), value.clone());
+        }
+    }
+    body.to_string()
+}
+
+/// Space-separated digits: at least one token each.
+fn digits(words: usize) -> String {
+    (0..words)
+        .map(|i| ((i * 7) % 10).to_string())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[test]
+fn bad_requests_get_a_4xx_naming_the_problem_and_the_server_keeps_serving() -> Result<()> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(
+        fixture.model_dir.join("config.json"),
+    )?)?;
+    let context = config["max_position_embeddings"]
+        .as_u64()
+        .expect("max_position_embeddings") as usize;
+    let mut server = start(&fixture)?;
+    let before = normal_answer(&server, &fixture)?;
+
+    let function = |function: serde_json::Value| serde_json::json!({"tools": [{"type": "function", "function": function}]});
+    let cases: Vec<(&str, String, String)> = vec![
+        (
+            "malformed JSON",
+            r#"{"model":"default","messages":[{"role":"user","content":"hi"}"#.to_string(),
+            "JSON".to_string(),
+        ),
+        (
+            "missing messages",
+            serde_json::json!({"model": "default", "max_tokens": 4}).to_string(),
+            "messages".to_string(),
+        ),
+        (
+            "messages a number",
+            serde_json::json!({"model": "default", "messages": 5}).to_string(),
+            "messages".to_string(),
+        ),
+        (
+            "max_tokens a string",
+            hello(serde_json::json!({"max_tokens": "four"})),
+            "max_tokens".to_string(),
+        ),
+        (
+            "a prompt longer than the context",
+            hello(serde_json::json!({
+                "messages": [{"role": "user", "content": digits(2 * context)}],
+            })),
+            context.to_string(),
+        ),
+        (
+            "tools not a list",
+            hello(serde_json::json!({
+                "tools": {"type": "function", "function": {"name": "f", "parameters": {}}},
+            })),
+            "tools".to_string(),
+        ),
+        (
+            "a tool without a function name",
+            hello(function(serde_json::json!({
+                "description": "no name",
+                "parameters": {"type": "object", "properties": {}},
+            }))),
+            "name".to_string(),
+        ),
+        (
+            "parameters not an object",
+            hello(function(
+                serde_json::json!({"name": "get_weather", "parameters": "a city"}),
+            )),
+            "parameters".to_string(),
+        ),
+    ];
+    for (what, body, names) in &cases {
+        assert_rejected(&server, what, body, names)?;
+    }
+    assert_still_serving(&mut server, &fixture, &before)
+}
+
+/// One bad request on a fresh server, then the normal answer.
+fn rejected_alone(what: &str, body: &str, names: &str) -> Result<()> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let mut server = start(&fixture)?;
+    let before = normal_answer(&server, &fixture)?;
+    assert_rejected(&server, what, body, names)?;
+    assert_still_serving(&mut server, &fixture, &before)
+}
+
+#[test]
+#[ignore = "host 0.8.1 returns 200 and samples for temperature -1: needs seam fix"]
+fn a_negative_temperature_is_rejected() -> Result<()> {
+    rejected_alone(
+        "temperature -1",
+        &hello(serde_json::json!({"temperature": -1})),
+        "temperature",
+    )
+}
+
+#[test]
+#[ignore = "host 0.8.1 returns 500 for an unknown model name: needs seam fix"]
+fn an_unknown_model_name_is_a_client_error() -> Result<()> {
+    rejected_alone(
+        "an unknown model",
+        &hello(serde_json::json!({"model": "no-such-model"})),
+        "no-such-model",
+    )
+}
+
+#[test]
+#[ignore = "host 0.8.1 returns 500 (the chat template's `undefined value`) for empty messages: needs seam fix"]
+fn empty_messages_are_a_client_error() -> Result<()> {
+    rejected_alone(
+        "empty messages",
+        &hello(serde_json::json!({"messages": []})),
+        "messages",
+    )
+}
+
+#[test]
+#[ignore = "host 0.8.1 returns 500 for a user message without content: needs seam fix"]
+fn a_user_message_without_content_is_a_client_error() -> Result<()> {
+    rejected_alone(
+        "a user message without content",
+        &hello(serde_json::json!({"messages": [{"role": "user"}]})),
+        "content",
+    )
+}
