@@ -78,7 +78,12 @@ impl<'m> Driver<'m> {
     /// only, as the engine does: returns logits `[B, vocab]`.
     pub fn step_last(&mut self, chunks: &[&[u32]]) -> Result<Tensor> {
         let hidden = self.forward_hidden(chunks, None)?;
-        let last = hidden.narrow(1, hidden.dim(1)? - 1, 1)?.squeeze(1)?;
+        // Contiguous, as the engine's gather of the last positions is: CUDA's
+        // matmul takes no strided rows.
+        let last = hidden
+            .narrow(1, hidden.dim(1)? - 1, 1)?
+            .squeeze(1)?
+            .contiguous()?;
         Ok(self.model.logits(&last)?.to_dtype(DType::F32)?)
     }
 
