@@ -1,13 +1,23 @@
 //! The alignment tool (`berrylm-align`, the binary behind `cargo xtask align`)
-//! on `small-hybrid` in float32 on the CPU: the acceptance of the alignment
-//! report (docs/alignment.md).
+//! on the CPU: `small-hybrid` in float32, and every fixture with the
+//! reference's own bfloat16 logits in bfloat16, against the acceptance of the
+//! alignment report (docs/alignment.md).
 
 use anyhow::{Context, Result};
-use berrylm_tests::{align_binary, fixtures_dir};
+use berrylm_tests::{align_binary, fixtures_dir, Fixture, FIXTURES};
 use candle_core::Device;
+use serde_json::Value;
 
 /// Largest |Δ logprob| of the reference's top-1 token accepted in float32.
 const MAX_LOGPROB_DIFF: f64 = 2e-3;
+
+/// In bfloat16, pooled top-1 agreement with `logits_f32` may be this much
+/// below the reference's own bfloat16 run's (one percentage point).
+const BF16_TOP1_MARGIN: f64 = 0.01;
+
+/// In bfloat16, pooled mean |Δ logprob| may be this many times the reference's
+/// own bfloat16 run's.
+const BF16_MEAN_DIFF_FACTOR: f64 = 1.5;
 
 #[test]
 fn small_hybrid_f32_is_aligned_in_every_mode() -> Result<()> {
@@ -82,6 +92,110 @@ fn small_hybrid_f32_is_aligned_in_every_mode() -> Result<()> {
     }
     let dumped_ids = dump["gen.output_ids"].to_vec1::<i64>()?;
     assert_eq!(dumped_ids, golden["gen.output_ids"].to_vec1::<i64>()?);
+    std::fs::remove_dir_all(&out)?;
+    Ok(())
+}
+
+/// Statistics of several reports pooled over their positions.
+#[derive(Default)]
+struct Pooled {
+    positions: u64,
+    top1_matches: u64,
+    /// Sum over positions of |Δ logprob|.
+    logprob_diff_sum: f64,
+}
+
+impl Pooled {
+    /// Adds a report's statistics over a set of positions (a mode, or the noise floor).
+    fn add(&mut self, stats: &Value) -> Result<()> {
+        let positions = stats["positions"].as_u64().context("positions")?;
+        let mismatches = stats["top1_mismatches"]
+            .as_u64()
+            .context("top1_mismatches")?;
+        let mean_diff = stats["mean_abs_logprob_diff"]
+            .as_f64()
+            .context("mean_abs_logprob_diff")?;
+        self.positions += positions;
+        self.top1_matches += positions - mismatches;
+        self.logprob_diff_sum += mean_diff * positions as f64;
+        Ok(())
+    }
+
+    fn top1(&self) -> f64 {
+        self.top1_matches as f64 / self.positions as f64
+    }
+
+    fn mean_logprob_diff(&self) -> f64 {
+        self.logprob_diff_sum / self.positions as f64
+    }
+}
+
+#[test]
+fn bf16_is_within_the_reference_noise_floor() -> Result<()> {
+    let out = std::env::temp_dir().join(format!("berrylm-align-bf16-{}", std::process::id()));
+    std::fs::create_dir_all(&out)?;
+    let mut modes = [
+        ("prefill", Pooled::default()),
+        ("incremental", Pooled::default()),
+        ("chunked", Pooled::default()),
+    ];
+    let mut noise_floor = Pooled::default();
+    let mut tables = String::new();
+    for name in FIXTURES {
+        let fixture = Fixture::load(name)?;
+        if !fixture.golden.contains_key("seq0.logits_bf16") {
+            continue;
+        }
+        let json_path = out.join(format!("{name}.json"));
+        let output = std::process::Command::new(align_binary()?)
+            .arg("--model")
+            .arg(&fixture.model_dir)
+            .arg("--golden")
+            .arg(fixtures_dir().join(name).join("golden.safetensors"))
+            .args(["--dtype", "bf16", "--device", "cpu", "--json"])
+            .arg(&json_path)
+            .output()
+            .context("running berrylm-align")?;
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        // Status 2 reports a mode that could not run (checked below for the
+        // teacher-forced modes; free-running greedy is not compared in bf16).
+        assert!(
+            matches!(output.status.code(), Some(0 | 2)),
+            "berrylm-align failed on {name} ({}):\n{stdout}\n{}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let report: Value = serde_json::from_str(&std::fs::read_to_string(&json_path)?)?;
+        for (mode, pooled) in &mut modes {
+            let stats = &report["modes"][*mode];
+            assert!(
+                stats.get("error").is_none(),
+                "{name}: {mode} did not run in bf16: {}\n{stdout}",
+                stats["error"]
+            );
+            pooled.add(stats)?;
+        }
+        noise_floor.add(&report["noise_floor"])?;
+        tables.push_str(&stdout);
+    }
+    assert!(noise_floor.positions > 0, "no fixture has logits_bf16");
+
+    for (mode, pooled) in &modes {
+        assert_eq!(
+            pooled.positions, noise_floor.positions,
+            "{mode}: pooled positions"
+        );
+        let (top1, floor_top1) = (pooled.top1(), noise_floor.top1());
+        assert!(
+            top1 >= floor_top1 - BF16_TOP1_MARGIN,
+            "{mode}: pooled top-1 {top1:.4} below the noise floor's {floor_top1:.4} - {BF16_TOP1_MARGIN}\n{tables}"
+        );
+        let (diff, floor_diff) = (pooled.mean_logprob_diff(), noise_floor.mean_logprob_diff());
+        assert!(
+            diff <= BF16_MEAN_DIFF_FACTOR * floor_diff,
+            "{mode}: pooled mean |Δ logprob| {diff:.4e} above {BF16_MEAN_DIFF_FACTOR} x the noise floor's {floor_diff:.4e}\n{tables}"
+        );
+    }
     std::fs::remove_dir_all(&out)?;
     Ok(())
 }

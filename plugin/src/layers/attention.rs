@@ -2,7 +2,7 @@
 //! sigmoid output gate taken from the doubled, per-head interleaved `q_proj`.
 
 use candle_core::{DType, Module, Result, Tensor};
-use candle_nn::ops::{sigmoid, softmax_last_dim};
+use candle_nn::ops::softmax_last_dim;
 use mistralrs_core::plugin_api::{
     FlashParams, KvCache, PagedAttention, PagedAttentionInputMetadata, SdpaParams,
 };
@@ -10,6 +10,7 @@ use mistralrs_core::plugin_api::{
 use crate::config::BerryLmConfig;
 use crate::layers::linear::Linear;
 use crate::layers::norm::OffsetRmsNorm;
+use crate::layers::ops::{matmul, scale, sigmoid};
 use crate::layers::rope::PartialRotaryEmbedding;
 use crate::weights::Weights;
 
@@ -186,13 +187,15 @@ impl GatedAttention {
                 .reshape((b, kv_heads * groups, len, dim))
         };
         let (k, v) = (repeat(k)?, repeat(v)?);
-        let scores = (q.contiguous()?.matmul(&k.t()?.contiguous()?)?
-            * f64::from(self.sdpa_params.softmax_scale))?;
+        let scores = scale(
+            &matmul(&q.contiguous()?, &k.t()?.contiguous()?)?,
+            f64::from(self.sdpa_params.softmax_scale),
+        )?;
         let scores = match mask {
             Some(mask) => scores.broadcast_add(&mask.to_dtype(scores.dtype())?)?,
             None => scores,
         };
         let probs = softmax_last_dim(&scores.to_dtype(DType::F32)?)?.to_dtype(q.dtype())?;
-        probs.matmul(&v)
+        matmul(&probs, &v)
     }
 }

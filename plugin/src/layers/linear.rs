@@ -2,6 +2,7 @@
 
 use candle_core::{Module, Result, Tensor};
 
+use crate::layers::ops::matmul_add;
 use crate::weights::Weights;
 
 #[derive(Debug, Clone)]
@@ -40,10 +41,6 @@ impl Linear {
 
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = x.broadcast_matmul(&self.weight.t()?)?;
-        match &self.bias {
-            Some(bias) => y.broadcast_add(bias),
-            None => Ok(y),
-        }
+        matmul_add(x, &self.weight.t()?, self.bias.as_ref())
     }
 }

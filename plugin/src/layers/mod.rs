@@ -6,4 +6,6 @@ pub mod kda;
 pub mod linear;
 pub mod moe;
 pub mod norm;
+pub mod ops;
 pub mod rope;
+pub mod topk;

@@ -13,13 +13,15 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
-use candle_nn::ops::{sigmoid, softmax_last_dim};
+use candle_nn::ops::softmax_last_dim;
 use mistralrs_core::layers::Activation;
 use mistralrs_core::plugin_api::{MoEExperts, MoEExpertsConfig};
 use mistralrs_quant::{Comm, Id, ShardedSafeTensors};
 
 use crate::config::BerryLmConfig;
 use crate::layers::linear::Linear;
+use crate::layers::ops::{sigmoid, silu};
+use crate::layers::topk::torch_top_k;
 use crate::weights::Weights;
 
 /// One SwiGLU expert: `down(silu(gate x) * up x)`.
@@ -36,7 +38,7 @@ impl Expert {
         let gate_up = self.gate_up.forward(x)?;
         let gate = gate_up.narrow(D::Minus1, 0, self.intermediate)?;
         let up = gate_up.narrow(D::Minus1, self.intermediate, self.intermediate)?;
-        self.down.forward(&(candle_nn::ops::silu(&gate)? * up)?)
+        self.down.forward(&(silu(&gate)? * up)?)
     }
 }
 
@@ -178,17 +180,15 @@ impl SparseMoe {
         (routed_out + shared.broadcast_mul(&shared_gate)?)?.reshape((rows, seq_len, hidden))
     }
 
-    /// Top-k of each row of `probs` `[N, experts]` (ties to the lower index),
-    /// renormalised if configured, per expert.
+    /// Top-k of each row of `probs` `[N, experts]` (exact ties broken as
+    /// `torch.topk` breaks them), renormalised if configured, per expert.
     fn route_on_host(&self, probs: &Tensor, experts: usize) -> Result<Routed> {
         let probs: Vec<Vec<f32>> = probs.to_vec2()?;
         let mut routed: Routed = vec![(Vec::new(), Vec::new()); experts];
         for (token, row) in probs.iter().enumerate() {
-            let mut order: Vec<usize> = (0..row.len()).collect();
-            order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
-            let chosen = &order[..self.top_k];
+            let chosen = torch_top_k(row, self.top_k);
             let total: f32 = chosen.iter().map(|&e| row[e]).sum();
-            for &expert in chosen {
+            for &expert in &chosen {
                 let weight = if self.norm_topk_prob {
                     row[expert] / total
                 } else {

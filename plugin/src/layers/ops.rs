@@ -1,0 +1,65 @@
+//! The matrix product, scaling and activations of the model, rounded where
+//! the PyTorch reference rounds them.
+//!
+//! In bf16 on the CPU, PyTorch's GEMMs accumulate in f32 and round each result
+//! (bias included) to bf16 once, and its scalar product, SiLU and sigmoid
+//! compute in f32 and round once. candle's CPU backend has no bf16 matmul, its
+//! bf16 scaling rounds the factor to bf16 first, and its bf16 SiLU and sigmoid
+//! round after every step (a quarter of the results then differ by an ulp), so
+//! on the CPU these operations widen bf16 operands to f32 and round the result
+//! once. Other dtypes and devices use candle's operations as they are.
+
+use candle_core::{DType, Result, Tensor};
+
+/// Whether `x` is computed in f32 and rounded back to bf16 once.
+fn widened(x: &Tensor) -> bool {
+    x.dtype() == DType::BF16 && x.device().is_cpu()
+}
+
+/// `a @ b` with `b` broadcast over the leading dims of `a`, in the dtype of `a`.
+pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    matmul_add(a, b, None)
+}
+
+/// `a @ b + bias` (bias broadcast over the rows), in the dtype of `a`.
+pub fn matmul_add(a: &Tensor, b: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    if widened(a) {
+        let y = a
+            .to_dtype(DType::F32)?
+            .broadcast_matmul(&b.to_dtype(DType::F32)?)?;
+        let y = match bias {
+            Some(bias) => y.broadcast_add(&bias.to_dtype(DType::F32)?)?,
+            None => y,
+        };
+        return y.to_dtype(DType::BF16);
+    }
+    let y = a.broadcast_matmul(b)?;
+    match bias {
+        Some(bias) => y.broadcast_add(bias),
+        None => Ok(y),
+    }
+}
+
+/// `x * factor`.
+pub fn scale(x: &Tensor, factor: f64) -> Result<Tensor> {
+    if widened(x) {
+        return (x.to_dtype(DType::F32)? * factor)?.to_dtype(DType::BF16);
+    }
+    x * factor
+}
+
+/// `x * sigmoid(x)`.
+pub fn silu(x: &Tensor) -> Result<Tensor> {
+    if widened(x) {
+        return candle_nn::ops::silu(&x.to_dtype(DType::F32)?)?.to_dtype(DType::BF16);
+    }
+    candle_nn::ops::silu(x)
+}
+
+/// `1 / (1 + exp(-x))`.
+pub fn sigmoid(x: &Tensor) -> Result<Tensor> {
+    if widened(x) {
+        return candle_nn::ops::sigmoid(&x.to_dtype(DType::F32)?)?.to_dtype(DType::BF16);
+    }
+    candle_nn::ops::sigmoid(x)
+}
