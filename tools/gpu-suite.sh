@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs the CUDA build's standalone executables on the GPU machine (no cargo
-# there). Executables come xz-compressed in .device/ (written here from
+# there). Executables come zstd- or xz-compressed in $PACKED (default .device/, from
 # `cargo xtask build --cuda`'s <target>-cuda/standalone, carried by the device
-# tool); they are unpacked to $BIN. Each step's output goes to stdout and to
+# tool); they are unpacked to $BIN, which keeps them between calls while the
+# machine stays warm (so large ones can travel in separate calls). Each step's output goes to stdout and to
 # $OUT/<step>.log when $OUT is set.
 #
 #   tools/gpu-suite.sh STEP...
@@ -16,12 +17,20 @@
 # the bench's model forward: tools/e2e_decode.py; about 6 minutes at most).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-BIN="${BIN:-/tmp/berrylm-bin}"
+BIN="${BIN:-$PWD/.device-bin}"
 mkdir -p "$BIN"
-for packed in .device/*.xz; do
+# zstd-compressed executables (smaller than xz at the same time), and a zstd
+# binary beside them where the machine has none.
+PACKED="${PACKED:-.device}"
+ZSTD="$(command -v zstd || echo "$PACKED/zstd")"
+for packed in "$PACKED"/*.zst "$PACKED"/*.xz; do
     [ -e "$packed" ] || continue
-    name="$(basename "$packed" .xz)"
-    [ -x "$BIN/$name" ] || { xz -dc "$packed" > "$BIN/$name" && chmod +x "$BIN/$name"; }
+    name="$(basename "${packed%.*}")"
+    [ -x "$BIN/$name" ] && continue
+    case "$packed" in
+    *.zst) "$ZSTD" -q -dc "$packed" > "$BIN/$name" ;;
+    *.xz) xz -dc "$packed" > "$BIN/$name" ;;
+    esac && chmod +x "$BIN/$name"
 done
 export LD_LIBRARY_PATH="${CUDA_RUNTIME_LIBS:-/usr/local/cuda-13.0/targets/x86_64-linux/lib}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export BERRYLM_HOST_BIN="$BIN/mistralrs" BERRYLM_FIXTURES="$PWD/tests/fixtures"

@@ -320,7 +320,10 @@ pub async fn engine_greedy(
     } else {
         None
     };
-    let matched = if text == reference_text || without_eos.as_deref() == Some(text.as_str()) {
+    // The host trims the leading whitespace of a completion's text.
+    let matched = if text == reference_text.trim_start()
+        || without_eos.as_deref().map(str::trim_start) == Some(text.as_str())
+    {
         total
     } else {
         // The longest prefix of the reference whose text starts ours (a
@@ -328,7 +331,7 @@ pub async fn engine_greedy(
         // length is tried).
         let mut matched = 0;
         for k in (1..total).rev() {
-            if text.starts_with(&detokenize(&reference[..k]).await?) {
+            if text.starts_with(detokenize(&reference[..k]).await?.trim_start()) {
                 matched = k;
                 break;
             }

@@ -110,6 +110,38 @@ pub fn lookup_normal_loader(config_json: &str) -> Option<Box<dyn NormalModelLoad
         .map(|entry| (entry.factory)())
 }
 
+/// Builds a chat output parser for one request.
+pub type ChatOutputParserFactory =
+    Arc<dyn Fn(&ChatOutputRequest<'_>) -> Box<dyn ChatOutputParser> + Send + Sync>;
+
+static CHAT_OUTPUT_PARSERS: RwLock<Vec<(String, ChatOutputParserFactory)>> =
+    RwLock::new(Vec::new());
+
+/// Register a chat output parser under `name` (registering a name again
+/// replaces the earlier parser). Models ask for it by name through
+/// [`chat_output_parser_named`].
+pub fn register_chat_output_parser(name: &str, factory: ChatOutputParserFactory) {
+    let mut parsers = CHAT_OUTPUT_PARSERS
+        .write()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    parsers.retain(|(registered, _)| registered != name);
+    parsers.push((name.to_string(), factory));
+}
+
+/// A parser for `request` from the chat output parser registered as `name`.
+pub fn chat_output_parser_named(
+    name: &str,
+    request: &ChatOutputRequest<'_>,
+) -> Option<Box<dyn ChatOutputParser>> {
+    let parsers = CHAT_OUTPUT_PARSERS
+        .read()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    parsers
+        .iter()
+        .find(|(registered, _)| registered == name)
+        .map(|(_, factory)| factory(request))
+}
+
 /// What a model's chat output parser learns about the request it serves.
 pub struct ChatOutputRequest<'a> {
     /// The rendered prompt (e.g. whether it opened a reasoning block).

@@ -4,24 +4,30 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{Device, Result, Tensor};
 use mistralrs_core::plugin_api::{
-    AnyMoeBaseModelMixin, ChatOutputParser, ChatOutputRequest, DeviceMapper, EitherCache,
-    FlashParams, HybridLayerCache, IsqModel, KvCacheLayout, ModelConfigLike, ModelConfigMetadata,
-    NonGranularState, NormalModel, PagedAttentionInputMetadata, UnVarBuilder,
+    chat_output_parser_named, AnyMoeBaseModelMixin, ChatOutputParser, ChatOutputRequest,
+    DeviceMapper, EitherCache, FlashParams, HybridLayerCache, IsqModel, KvCacheLayout,
+    ModelConfigLike, ModelConfigMetadata, NonGranularState, NormalModel,
+    PagedAttentionInputMetadata, UnVarBuilder,
 };
 use mistralrs_quant::QuantMethod;
 
 use crate::model::{BerryLm, ForwardBatch, PagedKv};
-use crate::output_parser::BerryLmOutputParser;
 
 pub struct BerryLmHostModel {
     model: BerryLm,
     cache: EitherCache,
     mapper: Box<dyn DeviceMapper + Send + Sync>,
     metadata: ModelConfigMetadata,
+    /// Name of the registered chat output parser for this model's requests.
+    output_parser: String,
 }
 
 impl BerryLmHostModel {
-    pub fn new(model: BerryLm, mapper: Box<dyn DeviceMapper + Send + Sync>) -> Result<Self> {
+    pub fn new(
+        model: BerryLm,
+        mapper: Box<dyn DeviceMapper + Send + Sync>,
+        output_parser: String,
+    ) -> Result<Self> {
         let cache = EitherCache::Hybrid(Arc::new(Mutex::new(model.new_cache()?)));
         let metadata = model_metadata(model.config(), model.config().num_hidden_layers);
         Ok(BerryLmHostModel {
@@ -29,6 +35,7 @@ impl BerryLmHostModel {
             cache,
             mapper,
             metadata,
+            output_parser,
         })
     }
 
@@ -174,7 +181,8 @@ impl NormalModel for BerryLmHostModel {
         &self,
         request: &ChatOutputRequest<'_>,
     ) -> Option<Box<dyn ChatOutputParser>> {
-        Some(Box::new(BerryLmOutputParser::for_request(request)))
+        tracing::debug!(prompt = ?request.prompt, "berrylm chat request");
+        chat_output_parser_named(&self.output_parser, request)
     }
 
     /// Paged KV blocks are allocated for the full-attention layers only.

@@ -19,7 +19,14 @@ use crate::host::{model_metadata, BerryLmHostModel};
 use crate::model::BerryLm;
 use crate::weights::Weights;
 
-pub struct BerryLmLoader;
+/// Head sizes of the host's paged attention decode kernels.
+const PAGED_HEAD_SIZES: [usize; 8] = [64, 80, 96, 112, 128, 192, 256, 512];
+
+/// Loads BerryLM checkpoints for the host.
+pub struct BerryLmLoader {
+    /// The registered chat output parser the model's requests use.
+    pub output_parser: String,
+}
 
 impl NormalModelLoader for BerryLmLoader {
     fn load(
@@ -45,6 +52,7 @@ impl NormalModelLoader for BerryLmLoader {
         Ok(Box::new(BerryLmHostModel::new(
             model,
             normal_loading_metadata.mapper,
+            self.output_parser.clone(),
         )?))
     }
 
@@ -69,8 +77,18 @@ impl NormalModelLoader for BerryLmLoader {
         Ok(Box::new(BerryLmConfig::from_json(config)?))
     }
 
-    fn supports_paged_attention(&self, _config: &str) -> Result<bool> {
-        Ok(true)
+    /// The host's paged decode kernels take head sizes 64, 80, 96, 112, 128,
+    /// 192, 256 and 512; other checkpoints keep the contiguous KV cache.
+    fn supports_paged_attention(&self, config: &str) -> Result<bool> {
+        let cfg = BerryLmConfig::from_json(config)?;
+        let supported = PAGED_HEAD_SIZES.contains(&cfg.head_dim);
+        if !supported {
+            tracing::info!(
+                "BerryLM: head_dim {} has no paged attention kernel; using the contiguous KV cache",
+                cfg.head_dim
+            );
+        }
+        Ok(supported)
     }
 }
 

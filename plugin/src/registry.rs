@@ -3,9 +3,11 @@
 
 use std::sync::Arc;
 
+use mistralrs_core::plugin_api;
 use serde::Deserialize;
 
 use crate::loader::BerryLmLoader;
+use crate::output_parser::BerryLmOutputParser;
 
 const REGISTRY_TOML: &str = include_str!("../../registry.toml");
 
@@ -42,7 +44,8 @@ impl Registry {
 }
 
 /// Registers BerryLM with the host: its loader under every model type and
-/// architecture name of `registry.toml`.
+/// architecture name of `registry.toml`, and its chat output parser (reasoning
+/// and tool calls) under the parser names there.
 pub fn register() -> anyhow::Result<()> {
     let registry = Registry::bundled()
         .map_err(|e| anyhow::anyhow!("berrylm registry.toml is invalid: {e}"))?;
@@ -58,15 +61,27 @@ pub fn register() -> anyhow::Result<()> {
         .iter()
         .map(String::as_str)
         .collect();
-    mistralrs_core::plugin_api::register_normal_architecture(
+    for name in [&registry.parsers.reasoning, &registry.parsers.tool_call] {
+        plugin_api::register_chat_output_parser(
+            name,
+            Arc::new(|request| Box::new(BerryLmOutputParser::for_request(request))),
+        );
+    }
+    let output_parser = registry.parsers.tool_call.clone();
+    plugin_api::register_normal_architecture(
         &architectures,
         &model_types,
-        Arc::new(|| Box::new(BerryLmLoader)),
+        Arc::new(move || {
+            Box::new(BerryLmLoader {
+                output_parser: output_parser.clone(),
+            })
+        }),
     );
     tracing::debug!(
-        "berrylm registered for model types {:?} and architectures {:?}",
+        "berrylm registered for model types {:?} and architectures {:?}, parsers {:?}",
         model_types,
-        architectures
+        architectures,
+        registry.parsers
     );
     Ok(())
 }

@@ -11,6 +11,7 @@ use candle_core::{DType, Device, Tensor};
 
 pub use berrylm::driver::{load_checkpoint, Driver};
 
+pub mod chat;
 pub mod server;
 
 /// Every fixture vendored from the golden set.
@@ -26,7 +27,10 @@ pub const FIXTURES: [&str; 8] = [
 ];
 
 pub fn fixtures_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
+    match std::env::var_os("BERRYLM_FIXTURES") {
+        Some(dir) => PathBuf::from(dir),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures"),
+    }
 }
 
 /// One golden fixture: a checkpoint and the reference's outputs on it.

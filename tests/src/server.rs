@@ -18,6 +18,33 @@ pub struct Server {
     log: std::path::PathBuf,
 }
 
+/// Host arguments every test server gets in addition to its own, from
+/// `BERRYLM_SERVER_ARGS` (whitespace-separated): how the test executables run
+/// on a GPU machine with paged attention on or off.
+fn server_args_from_environment() -> Vec<String> {
+    std::env::var("BERRYLM_SERVER_ARGS")
+        .map(|args| args.split_whitespace().map(str::to_string).collect())
+        .unwrap_or_default()
+}
+
+/// `text` without ANSI escape sequences (`ESC [ ... letter`).
+fn without_ansi_escapes(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for next in chars.by_ref() {
+                if next.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 fn free_port() -> Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
@@ -39,6 +66,7 @@ impl Server {
             ])
             .arg(model_dir)
             .args(extra_args)
+            .args(server_args_from_environment())
             .stdout(log_file.try_clone()?)
             .stderr(log_file)
             .stdin(Stdio::null())
@@ -142,9 +170,26 @@ impl Server {
         Ok(self.child.try_wait()?.is_none())
     }
 
+    /// The text of a greedy `/v1/completions` of `prompt` (at most `max_tokens`).
+    pub fn complete(&self, prompt: &str, max_tokens: usize) -> Result<String> {
+        let request = serde_json::json!({
+            "model": "default",
+            "prompt": prompt,
+            "temperature": 0.0,
+            "max_tokens": max_tokens,
+        });
+        let (status, response) = self.post("/v1/completions", &request)?;
+        anyhow::ensure!(status == 200, "HTTP {status}: {response}");
+        Ok(response["choices"][0]["text"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string())
+    }
+
     /// What the server logged so far (`info`, and `debug` for berrylm).
+    /// Terminal colour codes the host's logger writes are removed.
     pub fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
+        without_ansi_escapes(&std::fs::read_to_string(&self.log).unwrap_or_default())
     }
 
     /// Opens a streaming POST, reads its first bytes and drops the connection

@@ -3,20 +3,7 @@
 //! reference's greedy tokens on every fixture, up to the first EOS.
 
 use anyhow::{bail, Context, Result};
-use berrylm_tests::Fixture;
-
-/// Fixtures the host can serve. `tiny-hf` and `no-attnres` ship word-level
-/// tokenizers, which the host's constrained-decoding layer (llguidance) cannot
-/// load, so the host serves no such checkpoint; their cached greedy decoding
-/// is checked against the reference in `golden_cpu.rs`.
-const SERVABLE: [&str; 6] = [
-    "small-hybrid",
-    "small-hybrid-alt-layout",
-    "small-hybrid-bf16",
-    "variant-a",
-    "variant-b",
-    "trained-tiny",
-];
+use berrylm_tests::{Fixture, FIXTURES};
 use mistralrs::{ModelDType, TextModelBuilder};
 use mistralrs_core::{NormalRequest, Request, RequestMessage, Response, SamplingParams};
 
@@ -67,7 +54,7 @@ async fn greedy_text(model: &mistralrs::Model, prompt: Vec<u32>, max_len: usize)
 #[tokio::test(flavor = "multi_thread")]
 async fn engine_greedy_generation_matches_reference() -> Result<()> {
     berrylm::register()?;
-    for name in SERVABLE {
+    for name in FIXTURES {
         let fixture = Fixture::load(name)?;
         let prompt = fixture.ids("gen.prompt_ids")?;
         let mut expected = fixture.ids("gen.output_ids")?;

@@ -1,10 +1,13 @@
-//! Every name in registry.toml resolves through the host's loader lookup after
-//! `register()`, and a name the registry does not hold does not.
+//! Every name in registry.toml resolves through the host's loader lookup (and
+//! its chat output parser registry) after `register()`, and a name the
+//! registry does not hold does not.
 
 use anyhow::Result;
 use berrylm::Registry;
 use mistralrs::{ModelDType, TextModelBuilder};
-use mistralrs_core::plugin_api::lookup_normal_loader;
+use mistralrs_core::plugin_api::{
+    chat_output_parser_named, lookup_normal_loader, ChatOutputRequest,
+};
 
 /// Loads, through the host, a folder holding `config.json` and the tokenizer
 /// and weights of the small-hybrid fixture (which do not fit a default-shaped
@@ -63,5 +66,22 @@ async fn registered_names_resolve_and_unknown_names_do_not() -> Result<()> {
     assert!(lookup_normal_loader(&unknown.to_string()).is_none());
     let error = load_error(unknown).await;
     assert!(error.contains("NotARealModelForCausalLM"), "{error}");
+
+    // The parsers: a request whose prompt opened `<think>` starts in reasoning.
+    let request = ChatOutputRequest {
+        prompt: "<|im_start|>assistant\n<think>\n",
+        tools: &[],
+    };
+    for name in [&registry.parsers.reasoning, &registry.parsers.tool_call] {
+        let mut parser = chat_output_parser_named(name, &request)
+            .unwrap_or_else(|| panic!("parser {name} is not registered"));
+        let parsed = parser.parse_complete("Thinking.\n</think>\n\nHi.");
+        assert_eq!(
+            parsed.reasoning_content.as_deref().map(str::trim),
+            Some("Thinking.")
+        );
+        assert_eq!(parsed.content.as_deref().map(str::trim), Some("Hi."));
+    }
+    assert!(chat_output_parser_named("not_a_parser", &request).is_none());
     Ok(())
 }

@@ -168,7 +168,6 @@ fn rejected_alone(what: &str, body: &str, names: &str) -> Result<()> {
 }
 
 #[test]
-#[ignore = "host 0.8.1 returns 200 and samples for temperature -1: needs seam fix"]
 fn a_negative_temperature_is_rejected() -> Result<()> {
     rejected_alone(
         "temperature -1",
@@ -178,7 +177,6 @@ fn a_negative_temperature_is_rejected() -> Result<()> {
 }
 
 #[test]
-#[ignore = "host 0.8.1 returns 500 for an unknown model name: needs seam fix"]
 fn an_unknown_model_name_is_a_client_error() -> Result<()> {
     rejected_alone(
         "an unknown model",
@@ -188,7 +186,6 @@ fn an_unknown_model_name_is_a_client_error() -> Result<()> {
 }
 
 #[test]
-#[ignore = "host 0.8.1 returns 500 (the chat template's `undefined value`) for empty messages: needs seam fix"]
 fn empty_messages_are_a_client_error() -> Result<()> {
     rejected_alone(
         "empty messages",
@@ -198,7 +195,6 @@ fn empty_messages_are_a_client_error() -> Result<()> {
 }
 
 #[test]
-#[ignore = "host 0.8.1 returns 500 for a user message without content: needs seam fix"]
 fn a_user_message_without_content_is_a_client_error() -> Result<()> {
     rejected_alone(
         "a user message without content",

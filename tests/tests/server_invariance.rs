@@ -1,8 +1,10 @@
 //! Serving invariance through the real server, float32 on the CPU, greedy:
 //! concurrent requests give exactly the tokens each gives alone (including
 //! same-length prompts the scheduler batches), a repeated prompt gives the
-//! cold-run tokens with prefix caching on, and a long request is not disturbed
-//! by others starting, finishing or being cancelled around it.
+//! cold-run tokens with prefix caching on, a conversation that extends an
+//! earlier finished one hits the prefix cache and gives the cold-run tokens,
+//! and a long request is not disturbed by others starting, finishing or being
+//! cancelled around it.
 
 use std::thread;
 
@@ -17,21 +19,6 @@ fn prompt(seed: usize, words: usize) -> String {
         .map(|i| ((seed * 7 + i * 3) % 10).to_string())
         .collect::<Vec<_>>()
         .join(" ")
-}
-
-fn complete(server: &Server, prompt: &str, max_tokens: usize) -> Result<String> {
-    let request = serde_json::json!({
-        "model": "default",
-        "prompt": prompt,
-        "temperature": 0.0,
-        "max_tokens": max_tokens,
-    });
-    let (status, response) = server.post("/v1/completions", &request)?;
-    anyhow::ensure!(status == 200, "HTTP {status}: {response}");
-    Ok(response["choices"][0]["text"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string())
 }
 
 fn start() -> Result<Server> {
@@ -65,13 +52,13 @@ fn concurrent_requests_give_the_tokens_each_gives_alone() -> Result<()> {
         .collect();
     let alone: Vec<String> = prompts
         .iter()
-        .map(|p| complete(&server, p, 24))
+        .map(|p| server.complete(p, 24))
         .collect::<Result<_>>()?;
 
     let together: Vec<String> = thread::scope(|scope| {
         let handles: Vec<_> = prompts
             .iter()
-            .map(|p| scope.spawn(|| complete(&server, p, 24)))
+            .map(|p| scope.spawn(|| server.complete(p, 24)))
             .collect();
         handles
             .into_iter()
@@ -95,18 +82,20 @@ fn concurrent_requests_give_the_tokens_each_gives_alone() -> Result<()> {
 #[test]
 fn a_repeated_prompt_gives_the_cold_run_tokens_with_prefix_caching() -> Result<()> {
     let server = start()?;
-    let text = prompt(3, 12);
-    let cold = complete(&server, &text, 20)?;
-    for repeat in 0..3 {
-        assert_eq!(complete(&server, &text, 20)?, cold, "repeat {repeat}");
+    // A short prompt, and one of several paged-attention blocks (32 tokens).
+    for text in [prompt(3, 12), prompt(9, 90)] {
+        let cold = server.complete(&text, 20)?;
+        for repeat in 0..3 {
+            assert_eq!(server.complete(&text, 20)?, cold, "repeat {repeat}");
+        }
     }
     // A shorter prefix of a finished request, and a longer prompt through it.
     let shorter = prompt(3, 8);
     let shorter_cold = {
         let fresh = start()?;
-        complete(&fresh, &shorter, 20)?
+        fresh.complete(&shorter, 20)?
     };
-    assert_eq!(complete(&server, &shorter, 20)?, shorter_cold);
+    assert_eq!(server.complete(&shorter, 20)?, shorter_cold);
     Ok(())
 }
 
@@ -114,15 +103,15 @@ fn a_repeated_prompt_gives_the_cold_run_tokens_with_prefix_caching() -> Result<(
 fn a_long_request_is_not_disturbed_by_requests_around_it() -> Result<()> {
     let server = start()?;
     let long_prompt = prompt(42, 10);
-    let alone = complete(&server, &long_prompt, 160)?;
+    let alone = server.complete(&long_prompt, 160)?;
 
     // A reference, so that the spawned closures copy it rather than move the server.
     let server = &server;
     let disturbed = thread::scope(|scope| -> Result<String> {
-        let long = scope.spawn(|| complete(&server, &long_prompt, 160));
+        let long = scope.spawn(|| server.complete(&long_prompt, 160));
         for round in 0..6 {
             let short = prompt(100 + round, 4 + round);
-            scope.spawn(move || complete(&server, &short, 8));
+            scope.spawn(move || server.complete(&short, 8));
             let streaming = serde_json::json!({
                 "model": "default",
                 "prompt": prompt(200 + round, 5),
@@ -135,5 +124,74 @@ fn a_long_request_is_not_disturbed_by_requests_around_it() -> Result<()> {
         long.join().expect("long request thread panicked")
     })?;
     assert_eq!(disturbed, alone);
+    Ok(())
+}
+
+fn chat(server: &Server, messages: &serde_json::Value) -> Result<serde_json::Value> {
+    let request = serde_json::json!({
+        "model": "default",
+        "messages": messages,
+        "temperature": 0.0,
+        "max_tokens": 48,
+    });
+    let (status, response) = server.post("/v1/chat/completions", &request)?;
+    anyhow::ensure!(status == 200, "HTTP {status}: {response}");
+    Ok(response["choices"][0]["message"].clone())
+}
+
+/// Prompt forwards (more than one token) that started after position 0: the
+/// prefix cache supplied the state of the positions before.
+fn prompt_forwards_after_a_cache_hit(log: &str) -> Vec<String> {
+    log.lines()
+        .filter_map(|line| line.split("berrylm forward: ").nth(1))
+        .filter(|rest| {
+            let tokens: usize = rest
+                .split(" x ")
+                .nth(1)
+                .and_then(|t| t.split_whitespace().next()?.parse().ok())
+                .unwrap_or(0);
+            let first_position = rest
+                .split("positions [")
+                .nth(1)
+                .and_then(|p| p.split([',', ']']).next()?.trim().parse::<usize>().ok())
+                .unwrap_or(0);
+            tokens > 1 && first_position > 0
+        })
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn a_conversation_extending_a_finished_one_hits_the_cache_and_gives_the_cold_run_tokens(
+) -> Result<()> {
+    let question = serde_json::json!([{"role": "user", "content": "What is 7 + 5?"}]);
+    let server = start()?;
+    let answer = chat(&server, &question)?;
+    // The client sends the turn back as it came, minus the separators the
+    // template puts around reasoning and content.
+    let follow_up = serde_json::json!([
+        {"role": "user", "content": "What is 7 + 5?"},
+        {
+            "role": "assistant",
+            "reasoning_content": answer["reasoning_content"].as_str().unwrap_or_default().trim(),
+            "content": answer["content"].as_str().unwrap_or_default().trim(),
+        },
+        {"role": "user", "content": "Hello!"},
+    ]);
+    assert!(
+        prompt_forwards_after_a_cache_hit(&server.log()).is_empty(),
+        "a prefix hit before any conversation was extended"
+    );
+    let warm = chat(&server, &follow_up)?;
+    let hits = prompt_forwards_after_a_cache_hit(&server.log());
+    assert!(
+        !hits.is_empty(),
+        "the extended conversation did not hit the prefix cache"
+    );
+    let cold = {
+        let fresh = start()?;
+        chat(&fresh, &follow_up)?
+    };
+    assert_eq!(warm, cold, "prefix hit {hits:?}");
     Ok(())
 }

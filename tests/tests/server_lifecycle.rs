@@ -321,18 +321,12 @@ fn memory_returns_to_the_warm_up_level_after_a_churn_without_prefix_caching() ->
     Ok(())
 }
 
-/// A client that hangs up before its non-streamed answer: the host's final
-/// send fails and `finish_or_add_toks_to_seq` returns that error for the whole
-/// step (`maybe_send_chat_done_response(..).await.map_err(..)?`), so every
-/// sequence batched with it fails ("channel closed"), and
-/// `handle_pipeline_forward_error` then unwraps a send to the gone client,
-/// which panics the engine thread ("Engine ... is dead, rebooting"): the
-/// other clients get HTTP 500 and the slots of the lost sequences are never
-/// freed.
+/// A client that hangs up before its non-streamed answer. In mistral.rs 0.8.1
+/// the failed final send failed the whole step and a second send to the gone
+/// client panicked the engine thread: the other clients got HTTP 500 and the
+/// lost sequences' slots were never freed. The seam makes a closed channel
+/// only a log line (docs/host-seam.md).
 #[test]
-#[ignore = "host 0.8.1: a client hanging up before its non-streamed answer fails the whole batch \
-            (HTTP 500 `channel closed` / `No response received from the model.` to other clients), \
-            panics the engine (engine/mod.rs:412 unwrap on SendError) and leaks recurrent slots: needs seam fix"]
 fn clients_hanging_up_before_their_answer_disturb_no_one_and_free_their_slots() -> Result<()> {
     let churn = churn(
         &[],

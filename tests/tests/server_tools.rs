@@ -4,71 +4,10 @@
 //! `tool_calls`, streamed and not.
 
 use anyhow::Result;
+use berrylm_tests::chat::{arguments, assemble, golden_chat_request};
 use berrylm_tests::server::Server;
 use berrylm_tests::Fixture;
-use serde_json::{json, Value};
-
-fn chat_request(sequence: &Value, stream: bool) -> Value {
-    let mut request = json!({
-        "model": "default",
-        "messages": sequence["messages"],
-        "temperature": 0.0,
-        "max_tokens": 96,
-        "stream": stream,
-    });
-    if let Some(tools) = sequence["tools"].as_array().filter(|t| !t.is_empty()) {
-        request["tools"] = Value::Array(tools.clone());
-    }
-    if sequence["enable_thinking"] == json!(false) {
-        request["enable_thinking"] = json!(false);
-    }
-    request
-}
-
-/// The message assembled from streamed chunks: text fields concatenated, tool
-/// calls merged by index (id and name from their first delta).
-fn assemble(chunks: &[Value]) -> (Value, Option<String>) {
-    let mut content = String::new();
-    let mut reasoning = String::new();
-    let mut calls: Vec<Value> = Vec::new();
-    let mut finish_reason = None;
-    for chunk in chunks {
-        let choice = &chunk["choices"][0];
-        if let Some(reason) = choice["finish_reason"].as_str() {
-            finish_reason = Some(reason.to_string());
-        }
-        let delta = &choice["delta"];
-        content.push_str(delta["content"].as_str().unwrap_or_default());
-        reasoning.push_str(delta["reasoning_content"].as_str().unwrap_or_default());
-        for call in delta["tool_calls"].as_array().into_iter().flatten() {
-            let index = call["index"].as_u64().unwrap_or(0) as usize;
-            if calls.len() <= index {
-                calls.resize(index + 1, json!({"id": "", "name": "", "arguments": ""}));
-            }
-            let entry = &mut calls[index];
-            for (field, source) in [("id", &call["id"]), ("name", &call["function"]["name"])] {
-                if entry[field] == json!("") {
-                    if let Some(text) = source.as_str() {
-                        entry[field] = json!(text);
-                    }
-                }
-            }
-            let arguments = entry["arguments"].as_str().unwrap_or_default().to_string()
-                + call["function"]["arguments"].as_str().unwrap_or_default();
-            entry["arguments"] = json!(arguments);
-        }
-    }
-    let message = json!({
-        "content": if content.trim().is_empty() { Value::Null } else { json!(content) },
-        "reasoning_content": if reasoning.is_empty() { Value::Null } else { json!(reasoning) },
-        "tool_calls": calls,
-    });
-    (message, finish_reason)
-}
-
-fn arguments(call_arguments: &Value) -> Value {
-    serde_json::from_str(call_arguments.as_str().unwrap_or("null")).unwrap_or(Value::Null)
-}
+use serde_json::json;
 
 #[test]
 fn reasoning_and_typed_tool_calls_come_back_streamed_and_not() -> Result<()> {
@@ -78,7 +17,10 @@ fn reasoning_and_typed_tool_calls_come_back_streamed_and_not() -> Result<()> {
     let time_without_thinking = &fixture.facts["sequences"][3];
 
     // Non-streaming: "What is the weather in Oslo?" with tools.
-    let (status, response) = server.post("/v1/chat/completions", &chat_request(weather, false))?;
+    let (status, response) = server.post(
+        "/v1/chat/completions",
+        &golden_chat_request(weather, 96, false)?,
+    )?;
     assert_eq!(status, 200, "{response}");
     let choice = &response["choices"][0];
     assert_eq!(choice["finish_reason"], json!("tool_calls"), "{response}");
@@ -113,8 +55,10 @@ fn reasoning_and_typed_tool_calls_come_back_streamed_and_not() -> Result<()> {
     );
 
     // Streaming: the same message, assembled from deltas.
-    let (status, chunks) =
-        server.post_stream("/v1/chat/completions", &chat_request(weather, true))?;
+    let (status, chunks) = server.post_stream(
+        "/v1/chat/completions",
+        &golden_chat_request(weather, 96, true)?,
+    )?;
     assert_eq!(status, 200);
     let (streamed, finish_reason) = assemble(&chunks);
     assert_eq!(finish_reason.as_deref(), Some("tool_calls"), "{chunks:?}");
@@ -135,7 +79,7 @@ fn reasoning_and_typed_tool_calls_come_back_streamed_and_not() -> Result<()> {
     // Thinking disabled: no reasoning, a get_time call.
     let (status, response) = server.post(
         "/v1/chat/completions",
-        &chat_request(time_without_thinking, false),
+        &golden_chat_request(time_without_thinking, 96, false)?,
     )?;
     assert_eq!(status, 200, "{response}");
     let message = &response["choices"][0]["message"];
@@ -152,8 +96,10 @@ fn reasoning_and_typed_tool_calls_come_back_streamed_and_not() -> Result<()> {
 
     // Without tools: reasoning then content, streamed.
     let greeting = &fixture.facts["sequences"][1];
-    let (status, chunks) =
-        server.post_stream("/v1/chat/completions", &chat_request(greeting, true))?;
+    let (status, chunks) = server.post_stream(
+        "/v1/chat/completions",
+        &golden_chat_request(greeting, 96, true)?,
+    )?;
     assert_eq!(status, 200);
     let (streamed, finish_reason) = assemble(&chunks);
     assert_eq!(finish_reason.as_deref(), Some("stop"), "{chunks:?}");

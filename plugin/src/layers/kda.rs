@@ -1,6 +1,7 @@
 //! KDA linear attention: packed q|k|v short conv with state, a per-channel
 //! forget gate, the gated delta rule in fp32, and a SiLU-gated output norm.
 
+use berrylm_kernels::KdaPrefillAlgorithm;
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::ops::sigmoid;
 
@@ -128,14 +129,24 @@ impl Kda {
             self.num_value_heads,
             self.value_head_dim,
         ))?;
-        let (out, recurrent) = berrylm_kernels::kda_recurrence(
-            &q,
-            &k,
-            &v,
-            &gate,
-            &beta.reshape((batch, seq_len, self.num_value_heads))?,
-            &state.recurrent,
-        )?;
+        let beta = beta.reshape((batch, seq_len, self.num_value_heads))?;
+        // A float32 model keeps f32 arithmetic in the recurrence (the exact
+        // path). Lower-precision activations take the kernels' default, which
+        // computes long CUDA prefills with TF32 tensor-core products, an error
+        // far below their own rounding.
+        let (out, recurrent) = if dtype == DType::F32 {
+            berrylm_kernels::kda_recurrence_with(
+                KdaPrefillAlgorithm::Sequential,
+                &q,
+                &k,
+                &v,
+                &gate,
+                &beta,
+                &state.recurrent,
+            )?
+        } else {
+            berrylm_kernels::kda_recurrence(&q, &k, &v, &gate, &beta, &state.recurrent)?
+        };
         state.recurrent = recurrent;
 
         let rows = batch * seq_len * self.num_value_heads;

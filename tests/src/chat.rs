@@ -1,0 +1,79 @@
+//! Requests built from trained-tiny's golden sequences (messages, tools and
+//! `enable_thinking` as transformers rendered them).
+
+use anyhow::{Context, Result};
+use serde_json::{json, Value};
+
+/// A greedy chat completion request for a golden sequence, as an OpenAI client
+/// sends it: history tool-call arguments are JSON strings on the wire.
+pub fn golden_chat_request(sequence: &Value, max_tokens: usize, stream: bool) -> Result<Value> {
+    let mut messages = sequence["messages"].clone();
+    for message in messages.as_array_mut().context("messages")? {
+        for call in message["tool_calls"].as_array_mut().into_iter().flatten() {
+            let arguments = &mut call["function"]["arguments"];
+            if arguments.is_object() {
+                *arguments = Value::String(serde_json::to_string(arguments)?);
+            }
+        }
+    }
+    let mut request = json!({
+        "model": "default",
+        "messages": messages,
+        "temperature": 0.0,
+        "max_tokens": max_tokens,
+        "stream": stream,
+    });
+    if let Some(tools) = sequence["tools"].as_array().filter(|t| !t.is_empty()) {
+        request["tools"] = Value::Array(tools.clone());
+    }
+    if sequence["enable_thinking"] == json!(false) {
+        request["enable_thinking"] = json!(false);
+    }
+    Ok(request)
+}
+
+/// The message assembled from streamed chunks: text fields concatenated, tool
+/// calls merged by index (id and name from their first delta).
+pub fn assemble(chunks: &[Value]) -> (Value, Option<String>) {
+    let mut content = String::new();
+    let mut reasoning = String::new();
+    let mut calls: Vec<Value> = Vec::new();
+    let mut finish_reason = None;
+    for chunk in chunks {
+        let choice = &chunk["choices"][0];
+        if let Some(reason) = choice["finish_reason"].as_str() {
+            finish_reason = Some(reason.to_string());
+        }
+        let delta = &choice["delta"];
+        content.push_str(delta["content"].as_str().unwrap_or_default());
+        reasoning.push_str(delta["reasoning_content"].as_str().unwrap_or_default());
+        for call in delta["tool_calls"].as_array().into_iter().flatten() {
+            let index = call["index"].as_u64().unwrap_or(0) as usize;
+            if calls.len() <= index {
+                calls.resize(index + 1, json!({"id": "", "name": "", "arguments": ""}));
+            }
+            let entry = &mut calls[index];
+            for (field, source) in [("id", &call["id"]), ("name", &call["function"]["name"])] {
+                if entry[field] == json!("") {
+                    if let Some(text) = source.as_str() {
+                        entry[field] = json!(text);
+                    }
+                }
+            }
+            let arguments = entry["arguments"].as_str().unwrap_or_default().to_string()
+                + call["function"]["arguments"].as_str().unwrap_or_default();
+            entry["arguments"] = json!(arguments);
+        }
+    }
+    let message = json!({
+        "content": if content.trim().is_empty() { Value::Null } else { json!(content) },
+        "reasoning_content": if reasoning.is_empty() { Value::Null } else { json!(reasoning) },
+        "tool_calls": calls,
+    });
+    (message, finish_reason)
+}
+
+/// A tool call's JSON-string `arguments` parsed (null when not JSON).
+pub fn arguments(call_arguments: &Value) -> Value {
+    serde_json::from_str(call_arguments.as_str().unwrap_or("null")).unwrap_or(Value::Null)
+}

@@ -1,0 +1,146 @@
+//! The checkpoint's chat template, rendered by the real server, gives exactly
+//! the prompts transformers renders (`rendered_prompt` in trained-tiny's
+//! golden.json): Python's `tojson` spacing, tool schemas in the client's key
+//! order, history tool-call arguments as mappings, history `reasoning_content`.
+//! And a reasoning + parallel-tool-call text forced by a grammar comes back as
+//! `reasoning_content` and schema-typed `tool_calls`, streamed and not.
+
+use anyhow::{Context, Result};
+use berrylm_tests::chat::{arguments, assemble, golden_chat_request};
+use berrylm_tests::server::Server;
+use berrylm_tests::Fixture;
+use serde_json::{json, Value};
+
+#[test]
+fn the_server_renders_every_golden_prompt_exactly_as_transformers() -> Result<()> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let server = Server::start(&fixture.model_dir, &["--dtype", "f32"])?;
+    let sequences = fixture.facts["sequences"].as_array().context("sequences")?;
+    for sequence in sequences {
+        let index = &sequence["index"];
+        let (status, response) = server.post(
+            "/v1/chat/completions",
+            &golden_chat_request(sequence, 1, false)?,
+        )?;
+        assert_eq!(status, 200, "sequence {index}: {response}");
+        let rendered = sequence["rendered_prompt"]
+            .as_str()
+            .context("rendered_prompt")?;
+        let logged = format!("prompt={rendered:?}");
+        assert!(
+            server.log().contains(&logged),
+            "sequence {index}: the server did not render {rendered:?}"
+        );
+        assert_eq!(
+            response["usage"]["prompt_tokens"], sequence["len"],
+            "sequence {index}: prompt length in tokens"
+        );
+    }
+
+    // The conversation with a tool call and its result in the history: the
+    // model answers from the tool's output as the reference did.
+    let history = &sequences[4];
+    let (status, response) = server.post(
+        "/v1/chat/completions",
+        &golden_chat_request(history, 64, false)?,
+    )?;
+    assert_eq!(status, 200, "{response}");
+    let message = &response["choices"][0]["message"];
+    assert_eq!(
+        message["reasoning_content"].as_str().map(str::trim),
+        Some("The tool says it is 18 degrees and cloudy."),
+        "{response}"
+    );
+    assert_eq!(
+        message["content"].as_str().map(str::trim),
+        Some("In Paris it is 18 degrees and cloudy."),
+        "{response}"
+    );
+    Ok(())
+}
+
+/// Token ids of the special tokens the grammar emits (trained-tiny's tokenizer).
+const THINK_END: u32 = 4;
+const TOOL_CALL: u32 = 5;
+const TOOL_CALL_END: u32 = 6;
+const IM_END: u32 = 2;
+
+/// A lark grammar that admits exactly one output: reasoning, then two
+/// parallel calls whose values need the schema to be typed.
+fn pinned_output_grammar() -> String {
+    let call = |name: &str, parameters: &[(&str, &str)]| {
+        let mut text = format!("\\n<function={name}>\\n");
+        for (key, value) in parameters {
+            text.push_str(&format!("<parameter={key}>\\n{value}\\n</parameter>\\n"));
+        }
+        text.push_str("</function>\\n");
+        format!("<[{TOOL_CALL}]> \"{text}\" <[{TOOL_CALL_END}]>")
+    };
+    format!(
+        "start: \"Two cities, two calls.\\n\" <[{THINK_END}]> \"\\n\\n\" {} \"\\n\" {} <[{IM_END}]>",
+        call("get_weather", &[("city", "Oslo"), ("days", "3")]),
+        call("get_time", &[("city", "Lima")]),
+    )
+}
+
+fn pinned_request(fixture: &Fixture, stream: bool) -> Value {
+    json!({
+        "model": "default",
+        "messages": [{"role": "user", "content": "Weather in Oslo for 3 days, and the time in Lima?"}],
+        "tools": fixture.facts["sequences"][2]["tools"],
+        "temperature": 0.0,
+        "max_tokens": 128,
+        "stream": stream,
+        "grammar": {"type": "lark", "value": pinned_output_grammar()},
+    })
+}
+
+#[test]
+fn a_pinned_output_gives_reasoning_and_typed_parallel_tool_calls() -> Result<()> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let server = Server::start(&fixture.model_dir, &["--dtype", "f32"])?;
+    let expected_calls = [
+        ("get_weather", json!({"city": "Oslo", "days": 3})),
+        ("get_time", json!({"city": "Lima"})),
+    ];
+
+    let (status, response) =
+        server.post("/v1/chat/completions", &pinned_request(&fixture, false))?;
+    assert_eq!(status, 200, "{response}");
+    let choice = &response["choices"][0];
+    assert_eq!(choice["finish_reason"], json!("tool_calls"), "{response}");
+    let message = &choice["message"];
+    assert_eq!(
+        message["reasoning_content"].as_str().map(str::trim),
+        Some("Two cities, two calls."),
+        "{response}"
+    );
+    let calls = message["tool_calls"].as_array().context("tool_calls")?;
+    assert_eq!(calls.len(), expected_calls.len(), "{response}");
+    for (call, (name, args)) in calls.iter().zip(&expected_calls) {
+        assert_eq!(call["type"], json!("function"));
+        assert_eq!(call["function"]["name"], json!(name), "{response}");
+        assert_eq!(
+            arguments(&call["function"]["arguments"]),
+            *args,
+            "{response}"
+        );
+    }
+
+    let (status, chunks) =
+        server.post_stream("/v1/chat/completions", &pinned_request(&fixture, true))?;
+    assert_eq!(status, 200);
+    let (streamed, finish_reason) = assemble(&chunks);
+    assert_eq!(finish_reason.as_deref(), Some("tool_calls"), "{chunks:?}");
+    assert_eq!(
+        streamed["reasoning_content"].as_str().map(str::trim),
+        Some("Two cities, two calls.")
+    );
+    let calls = streamed["tool_calls"].as_array().context("tool_calls")?;
+    assert_eq!(calls.len(), expected_calls.len(), "{chunks:?}");
+    for (call, (name, args)) in calls.iter().zip(&expected_calls) {
+        assert_eq!(call["name"], json!(name), "{chunks:?}");
+        assert_eq!(arguments(&call["arguments"]), *args, "{chunks:?}");
+    }
+    Ok(())
+}

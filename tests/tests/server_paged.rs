@@ -1,0 +1,110 @@
+//! Paged attention against the contiguous KV cache through the real server:
+//! the same greedy tokens on every fixture, and on the trained model the same
+//! log-probabilities within 1e-3. The host pages only in CUDA builds, so these
+//! tests are ignored in CI and run on the GPU machine (docs/performance.md):
+//! `test-server_paged --ignored` with the CUDA `mistralrs` as BERRYLM_HOST_BIN.
+
+use anyhow::{Context, Result};
+use berrylm_tests::server::Server;
+use berrylm_tests::{Fixture, FIXTURES};
+use serde_json::{json, Value};
+
+const PAGED: [&str; 6] = [
+    "--dtype",
+    "f32",
+    "--paged-attn",
+    "on",
+    "--pa-memory-mb",
+    "1024",
+];
+const CONTIGUOUS: [&str; 4] = ["--dtype", "f32", "--paged-attn", "off"];
+
+/// A prompt of words every fixture's tokenizer knows.
+fn prompt_for(fixture: &str) -> &'static str {
+    match fixture {
+        // Word-level vocabularies `w9` ... `w98`.
+        "tiny-hf" | "no-attnres" => "w10 w21 w32 w43 w54 w65 w76 w87 w12 w23",
+        _ => "The quick brown fox jumps over the lazy dog, then 7 + 5 is",
+    }
+}
+
+/// The chosen tokens and their log-probabilities of a greedy chat completion.
+fn chat_logprobs(server: &Server, messages: &Value) -> Result<Vec<(String, f64)>> {
+    let request = json!({
+        "model": "default",
+        "messages": messages,
+        "temperature": 0.0,
+        "max_tokens": 48,
+        "logprobs": true,
+    });
+    let (status, response) = server.post("/v1/chat/completions", &request)?;
+    anyhow::ensure!(status == 200, "HTTP {status}: {response}");
+    response["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .context("logprobs.content")?
+        .iter()
+        .map(|entry| {
+            Ok((
+                entry["token"].as_str().context("token")?.to_string(),
+                entry["logprob"].as_f64().context("logprob")?,
+            ))
+        })
+        .collect()
+}
+
+/// Head sizes of the host's paged attention decode kernels.
+const PAGED_HEAD_SIZES: [u64; 8] = [64, 80, 96, 112, 128, 192, 256, 512];
+
+fn head_dim(fixture: &Fixture) -> Result<u64> {
+    let config: Value = serde_json::from_str(&std::fs::read_to_string(
+        fixture.model_dir.join("config.json"),
+    )?)?;
+    config["head_dim"].as_u64().context("head_dim")
+}
+
+#[test]
+#[ignore = "needs a CUDA build of the host (paged attention); run on the GPU machine"]
+fn paged_and_contiguous_kv_give_the_same_greedy_tokens_on_every_fixture() -> Result<()> {
+    for name in FIXTURES {
+        let fixture = Fixture::load(name)?;
+        let prompt = prompt_for(name);
+        let paged_server = Server::start(&fixture.model_dir, &PAGED)?;
+        let paged = paged_server.complete(prompt, 40)?;
+        let contiguous = Server::start(&fixture.model_dir, &CONTIGUOUS)?.complete(prompt, 40)?;
+        assert_eq!(paged, contiguous, "{name}: paged and contiguous KV differ");
+        // A head size without a paged kernel keeps the contiguous cache, and says so.
+        let fell_back = paged_server.log().contains("has no paged attention kernel");
+        assert_eq!(
+            fell_back,
+            !PAGED_HEAD_SIZES.contains(&head_dim(&fixture)?),
+            "{name}"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA build of the host (paged attention); run on the GPU machine"]
+fn paged_and_contiguous_kv_give_the_same_logprobs_on_the_trained_model() -> Result<()> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let paged = Server::start(&fixture.model_dir, &PAGED)?;
+    let contiguous = Server::start(&fixture.model_dir, &CONTIGUOUS)?;
+    let sequences = fixture.facts["sequences"].as_array().context("sequences")?;
+    for sequence in sequences.iter().take(2) {
+        let messages = &sequence["messages"];
+        let a = chat_logprobs(&paged, messages)?;
+        let b = chat_logprobs(&contiguous, messages)?;
+        assert_eq!(a.len(), b.len(), "{messages}");
+        for ((token_a, logprob_a), (token_b, logprob_b)) in a.iter().zip(&b) {
+            assert_eq!(token_a, token_b, "{messages}");
+            // Greedy sampling in mistral.rs 0.8.1 reports log10 of the chosen
+            // token's raw logit as its "logprob" (sampler.rs, sample_argmax).
+            let (logit_a, logit_b) = (10f64.powf(*logprob_a), 10f64.powf(*logprob_b));
+            assert!(
+                (logit_a - logit_b).abs() <= 1e-3,
+                "{messages}: token {token_a:?} logit {logit_a} (paged) vs {logit_b}"
+            );
+        }
+    }
+    Ok(())
+}
