@@ -77,3 +77,19 @@ pub fn assemble(chunks: &[Value]) -> (Value, Option<String>) {
 pub fn arguments(call_arguments: &Value) -> Value {
     serde_json::from_str(call_arguments.as_str().unwrap_or("null")).unwrap_or(Value::Null)
 }
+
+/// The assistant message of a non-streamed response that must end in tool
+/// calls after the given reasoning (checked: HTTP 200, `finish_reason`
+/// `tool_calls`, the trimmed `reasoning_content`).
+pub fn tool_call_message<'a>(status: u16, response: &'a Value, reasoning: &str) -> &'a Value {
+    assert_eq!(status, 200, "{response}");
+    let choice = &response["choices"][0];
+    assert_eq!(choice["finish_reason"], json!("tool_calls"), "{response}");
+    let message = &choice["message"];
+    assert_eq!(
+        message["reasoning_content"].as_str().map(str::trim),
+        Some(reasoning),
+        "{response}"
+    );
+    message
+}

@@ -6,7 +6,7 @@
 //! `reasoning_content` and schema-typed `tool_calls`, streamed and not.
 
 use anyhow::{Context, Result};
-use berrylm_tests::chat::{arguments, assemble, golden_chat_request};
+use berrylm_tests::chat::{arguments, assemble, golden_chat_request, tool_call_message};
 use berrylm_tests::server::Server;
 use berrylm_tests::Fixture;
 use serde_json::{json, Value};
@@ -106,15 +106,7 @@ fn a_pinned_output_gives_reasoning_and_typed_parallel_tool_calls() -> Result<()>
 
     let (status, response) =
         server.post("/v1/chat/completions", &pinned_request(&fixture, false))?;
-    assert_eq!(status, 200, "{response}");
-    let choice = &response["choices"][0];
-    assert_eq!(choice["finish_reason"], json!("tool_calls"), "{response}");
-    let message = &choice["message"];
-    assert_eq!(
-        message["reasoning_content"].as_str().map(str::trim),
-        Some("Two cities, two calls."),
-        "{response}"
-    );
+    let message = tool_call_message(status, &response, "Two cities, two calls.");
     let calls = message["tool_calls"].as_array().context("tool_calls")?;
     assert_eq!(calls.len(), expected_calls.len(), "{response}");
     for (call, (name, args)) in calls.iter().zip(&expected_calls) {

@@ -4,7 +4,7 @@
 //! `tool_calls`, streamed and not.
 
 use anyhow::Result;
-use berrylm_tests::chat::{arguments, assemble, golden_chat_request};
+use berrylm_tests::chat::{arguments, assemble, golden_chat_request, tool_call_message};
 use berrylm_tests::server::Server;
 use berrylm_tests::Fixture;
 use serde_json::json;
@@ -21,14 +21,10 @@ fn reasoning_and_typed_tool_calls_come_back_streamed_and_not() -> Result<()> {
         "/v1/chat/completions",
         &golden_chat_request(weather, 96, false)?,
     )?;
-    assert_eq!(status, 200, "{response}");
-    let choice = &response["choices"][0];
-    assert_eq!(choice["finish_reason"], json!("tool_calls"), "{response}");
-    let message = &choice["message"];
-    assert_eq!(
-        message["reasoning_content"].as_str().map(str::trim),
-        Some("The user asks about the weather in Oslo. I should call get_weather."),
-        "{response}"
+    let message = tool_call_message(
+        status,
+        &response,
+        "The user asks about the weather in Oslo. I should call get_weather.",
     );
     assert!(
         message["content"]
