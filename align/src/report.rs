@@ -316,7 +316,7 @@ impl Report {
 
 fn text_row(model: &str, mode: &str, text: &str) -> Vec<String> {
     let mut row = vec![model.to_string(), mode.to_string(), text.to_string()];
-    row.extend(std::iter::repeat("-".to_string()).take(4));
+    row.extend(std::iter::repeat_n("-".to_string(), 4));
     row
 }
 

@@ -82,7 +82,7 @@ impl ModelShape {
 
     /// Layer `i` is full attention when `(i + 1) % 4 == 0` (`full_attention_interval` 4).
     pub fn is_attention(&self, layer: usize) -> bool {
-        (layer + 1) % 4 == 0
+        (layer + 1).is_multiple_of(4)
     }
 
     pub fn kda_layers(&self) -> usize {
@@ -118,7 +118,7 @@ impl ModelShape {
         let kinds: Vec<&str> = (0..self.layers)
             .map(|i| if self.is_attention(i) { "attn" } else { "KDA" })
             .collect();
-        if self.layers % 4 == 0 {
+        if self.layers.is_multiple_of(4) {
             format!("[{}]x{}", kinds[..4].join(","), self.layers / 4)
         } else {
             format!("[{}]", kinds.join(","))

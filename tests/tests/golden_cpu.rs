@@ -148,7 +148,7 @@ fn batched_sequences_match_each_alone() -> Result<()> {
 
     let mut together = Driver::new(&model, 2)?;
     let prefill = together.step(&[&first[..prompt_len], &second[..prompt_len]], None)?;
-    let mut batched = vec![vec![prefill.i(0)?], vec![prefill.i(1)?]];
+    let mut batched = [vec![prefill.i(0)?], vec![prefill.i(1)?]];
     for t in prompt_len..prompt_len + decode_len {
         let step = together.step(&[&first[t..t + 1], &second[t..t + 1]], None)?;
         batched[0].push(step.i(0)?);

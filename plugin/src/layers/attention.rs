@@ -81,6 +81,7 @@ impl GatedAttention {
     }
 
     /// `x` `[B, T, hidden]`; `cos`/`sin` `[B, T, rotary_dim]` for each token's position.
+    #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
         x: &Tensor,

@@ -224,8 +224,8 @@ impl SparseMoe {
 fn fused_experts_apply(device: &Device, dtype: DType, cfg: &BerryLmConfig) -> bool {
     device.is_cuda()
         && matches!(dtype, DType::F16 | DType::BF16)
-        && cfg.hidden_size % 64 == 0
-        && cfg.moe_intermediate_size % 64 == 0
+        && cfg.hidden_size.is_multiple_of(64)
+        && cfg.moe_intermediate_size.is_multiple_of(64)
         && mistralrs_quant::get_immediate_isq().is_none()
 }
 

@@ -145,7 +145,7 @@ fn adjust_heap(heap: &mut [Entry], mut hole: usize, entry: Entry) {
         heap[hole] = heap[child];
         hole = child;
     }
-    if len % 2 == 0 && child == (len - 2) / 2 {
+    if len.is_multiple_of(2) && child == (len - 2) / 2 {
         child = 2 * (child + 1);
         heap[hole] = heap[child - 1];
         hole = child - 1;
