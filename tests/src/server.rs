@@ -93,16 +93,22 @@ impl Server {
         }
     }
 
-    fn request(&self, method: &str, path: &str, body: Option<&str>) -> Result<(u16, String)> {
+    /// Connects and writes one HTTP/1.1 request (`Connection: close`); the
+    /// response is for the caller to read, or not.
+    pub fn open_request(&self, method: &str, path: &str, body: &str) -> Result<TcpStream> {
         let mut stream = TcpStream::connect(("127.0.0.1", self.port))?;
-        stream.set_read_timeout(Some(Duration::from_secs(300)))?;
-        let body = body.unwrap_or_default();
         write!(
             stream,
             "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
              Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
             body.len()
         )?;
+        Ok(stream)
+    }
+
+    fn request(&self, method: &str, path: &str, body: Option<&str>) -> Result<(u16, String)> {
+        let stream = self.open_request(method, path, body.unwrap_or_default())?;
+        stream.set_read_timeout(Some(Duration::from_secs(300)))?;
         let mut reader = BufReader::new(stream);
         let mut status_line = String::new();
         reader.read_line(&mut status_line)?;
@@ -195,14 +201,7 @@ impl Server {
     /// Opens a streaming POST, reads its first bytes and drops the connection
     /// (a client that disconnects mid-stream).
     pub fn abandon_stream(&self, path: &str, body: &serde_json::Value) -> Result<()> {
-        let mut stream = TcpStream::connect(("127.0.0.1", self.port))?;
-        let body = body.to_string();
-        write!(
-            stream,
-            "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
-             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
-        )?;
+        let mut stream = self.open_request("POST", path, &body.to_string())?;
         let mut first = [0u8; 64];
         stream.read_exact(&mut first)?;
         Ok(())

@@ -7,8 +7,7 @@
 //! each forward) and resident memory is back to where it was after the
 //! warm-up.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::io::Read;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::thread;
@@ -47,23 +46,11 @@ fn chat_body(request: usize, max_tokens: usize, stream: bool) -> serde_json::Val
     })
 }
 
-fn send(stream: &mut TcpStream, body: &serde_json::Value) -> Result<()> {
-    let body = body.to_string();
-    write!(
-        stream,
-        "POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )?;
-    Ok(())
-}
-
 /// Streams a long answer, reads until the first generated chunk arrived and
 /// hangs up (a client that disconnects mid-stream).
 fn abandon_mid_stream(server: &Server, body: &serde_json::Value) -> Result<()> {
-    let mut stream = TcpStream::connect(("127.0.0.1", server.port))?;
+    let mut stream = server.open_request("POST", CHAT, &body.to_string())?;
     stream.set_read_timeout(Some(Duration::from_secs(120)))?;
-    send(&mut stream, body)?;
     let mut received = Vec::new();
     let mut buffer = [0u8; 1024];
     while !String::from_utf8_lossy(&received).contains("data:") {
@@ -85,8 +72,7 @@ fn abandon_mid_stream(server: &Server, body: &serde_json::Value) -> Result<()> {
 
 /// Sends a non-streamed request and hangs up before the answer.
 fn cancel_before_the_answer(server: &Server, body: &serde_json::Value) -> Result<()> {
-    let mut stream = TcpStream::connect(("127.0.0.1", server.port))?;
-    send(&mut stream, body)?;
+    let stream = server.open_request("POST", CHAT, &body.to_string())?;
     thread::sleep(Duration::from_millis(30));
     stream.shutdown(std::net::Shutdown::Both)?;
     Ok(())
