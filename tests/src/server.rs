@@ -80,13 +80,15 @@ impl Server {
                 return Ok(server);
             }
             if let Some(status) = server.child.try_wait()? {
-                let output = std::fs::read_to_string(&server.log).unwrap_or_default();
-                bail!("mistralrs serve exited with {status}:\n{output}");
+                bail!("mistralrs serve exited with {status}:\n{}", server.log());
             }
             if Instant::now() > deadline {
+                let log = server.log();
+                let tail: Vec<&str> = log.lines().rev().take(40).collect();
                 bail!(
-                    "mistralrs serve did not answer within 3 minutes (log: {})",
-                    server.log.display()
+                    "mistralrs serve did not answer within 3 minutes; the end of its log ({}):\n{}",
+                    server.log.display(),
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
                 );
             }
             std::thread::sleep(Duration::from_millis(250));

@@ -1,7 +1,7 @@
 //! Recurrent state pool lifecycle through the real server: hundreds of chat
 //! requests over more concurrent sequences than the host's initial pool holds,
 //! some completed (streamed or not), some streams abandoned by their client
-//! mid-stream (the engine cancels them), and in one (ignored) test
+//! mid-stream (the engine cancels them), and in one test
 //! non-streamed requests whose client hangs up before the answer. Afterwards
 //! every recurrent slot is free again (the plugin logs the pool's occupancy at
 //! each forward) and resident memory is back to where it was after the
@@ -327,12 +327,10 @@ fn clients_hanging_up_before_their_answer_disturb_no_one_and_free_their_slots() 
     Ok(())
 }
 
-/// With default settings the host keeps every finished sequence's caches on
-/// the CPU: `PrefixCacheManagerV2::evict_caches` only counts (and evicts)
-/// caches on a non-CPU device, so `--prefix-cache-n` bounds nothing there.
+/// With default settings (prefix caching on) the host keeps at most
+/// `--prefix-cache-n` finished sequences' caches; 0.8.1 counted only caches
+/// off the CPU, so a CPU server never evicted (the seam's eviction fix).
 #[test]
-#[ignore = "host 0.8.1 never evicts its prefix cache on the CPU (evict_caches counts only non-CPU caches): \
-            resident memory grows about 0.6 MB per distinct finished request; needs seam fix"]
 fn memory_returns_to_the_warm_up_level_after_a_churn_with_prefix_caching() -> Result<()> {
     let churn = churn(&[], &COMPLETED_AND_ABANDONED)?;
     assert_memory_returned(&churn);

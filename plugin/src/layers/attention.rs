@@ -156,10 +156,14 @@ impl GatedAttention {
                 self.eager_attention(&q, &k, &v, mask)?
             }
         };
-        let mut out =
+        // Attention over a prompt is `[B, heads, T, hd]`; the paged decode
+        // kernel answers `[B, heads, hd]`, already in token-major order.
+        let token_major = if attended.rank() == 3 {
             attended
-                .transpose(1, 2)?
-                .reshape((batch, seq_len, self.num_heads * self.head_dim))?;
+        } else {
+            attended.transpose(1, 2)?
+        };
+        let mut out = token_major.reshape((batch, seq_len, self.num_heads * self.head_dim))?;
         if let Some(gate) = gate {
             out = (out * sigmoid(&gate)?)?;
         }
