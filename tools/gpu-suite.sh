@@ -14,7 +14,13 @@
 # serving invariance tests with paged attention on / off), template (chat
 # template and grammar-pinned tool calls), e2e (batch-1 decode end to end through
 # `mistralrs serve` on an 8-layer BerryLM-OS-shaped random bf16 checkpoint, next to
-# the bench's model forward: tools/e2e_decode.py; about 6 minutes at most).
+# the bench's model forward: tools/e2e_decode.py; about 6 minutes at most), fla
+# (fla's chunk_kda and fused_recurrent_kda at BerryLM-OS shapes, issue #6's
+# comparison: tools/fla_bench.py, $OUT/fla.json; needs python3 with torch and
+# triton, and the wheels of fla-core and of the pure-Python packages it imports,
+# einops and packaging, in $FLA_WHEELS (default .gpu3, e.g. `pip download
+# fla-core==0.6.0 einops packaging --no-deps -d .gpu3` on a machine with PyPI);
+# they are unzipped once per machine to $FLA_DIR; $FLA_ARGS are passed on).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN="${BIN:-$PWD/.device-bin}"
@@ -32,10 +38,13 @@ for packed in "$PACKED"/*.zst "$PACKED"/*.xz; do
     *.xz) xz -dc "$packed" > "$BIN/$name" ;;
     esac && chmod +x "$BIN/$name"
 done
+# The fla step's python3 keeps the caller's library path (torch brings its own CUDA libraries).
+PY_LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
 export LD_LIBRARY_PATH="${CUDA_RUNTIME_LIBS:-/usr/local/cuda-13.0/targets/x86_64-linux/lib}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export BERRYLM_HOST_BIN="$BIN/mistralrs" BERRYLM_FIXTURES="$PWD/tests/fixtures"
 FIXTURES="tiny-hf small-hybrid small-hybrid-alt-layout small-hybrid-bf16 variant-a variant-b no-attnres trained-tiny"
 status=0
+FLA_WHEELS="${FLA_WHEELS:-.gpu3}" FLA_DIR="${FLA_DIR:-/tmp/berrylm-fla}"
 E2E_CHECKPOINT="${E2E_CHECKPOINT:-/tmp/berrylm-os-8l}" E2E_PORT="${E2E_PORT:-18500}"
 
 # The e2e step: writes the checkpoint (once per machine), measures the model
@@ -84,6 +93,34 @@ PY
     return "$code"
 }
 
+# The fla step: unzips every wheel in $FLA_WHEELS into its own folder under
+# $FLA_DIR (once; Triton compiles from the source files, so no zip imports),
+# puts those folders on PYTHONPATH and runs tools/fla_bench.py.
+fla_bench() {
+    local wheel dir path="" found=0
+    mkdir -p "$FLA_DIR" || return 1
+    for wheel in "$FLA_WHEELS"/*.whl; do
+        [ -e "$wheel" ] || continue
+        found=1
+        dir="$FLA_DIR/$(basename "${wheel%.whl}")"
+        if [ ! -e "$dir/.unpacked" ]; then
+            rm -rf "$dir" "$dir.tmp"
+            python3 -m zipfile -e "$wheel" "$dir.tmp" && touch "$dir.tmp/.unpacked" \
+                && mv "$dir.tmp" "$dir" || { echo "cannot unzip $wheel" >&2; return 1; }
+        fi
+        path="${path:+$path:}$dir"
+    done
+    if [ "$found" -eq 0 ]; then
+        echo "no wheels in $FLA_WHEELS (expected fla-core, einops and packaging *.whl)" >&2
+        return 1
+    fi
+    echo "PYTHONPATH += $path"
+    # shellcheck disable=SC2086 # FLA_ARGS is a list of arguments
+    PYTHONPATH="$path${PYTHONPATH:+:$PYTHONPATH}" LD_LIBRARY_PATH="$PY_LD_LIBRARY_PATH" \
+        timeout 540 python3 tools/fla_bench.py \
+        ${FLA_ARGS:-} ${OUT:+--json "$OUT/fla.json"}
+}
+
 log() { if [ -n "${OUT:-}" ]; then tee -a "$OUT/$1.log"; else cat; fi; }
 
 step() {
@@ -107,6 +144,7 @@ step() {
     template) BERRYLM_SERVER_ARGS="--paged-attn on --pa-memory-mb 1024" \
         "$BIN/test-server_chat_template" --test-threads 1 ;;
     e2e) e2e ;;
+    fla) fla_bench ;;
     *) echo "unknown step $1" >&2; return 2 ;;
     esac
 }

@@ -9,6 +9,8 @@
 //! | [`kda_recurrence_with`] | 3.6 step 6 | the same, with an explicit [`KdaPrefillAlgorithm`] for CUDA prefill |
 //! | [`attn_res_mix`] | 3.4 | gated block AttnRes: depth softmax over committed streams and the current stream |
 //! | [`gated_rms_norm`] | 3.1 | RMSNorm before a SiLU gate (the KDA output norm) |
+//! | [`offset_rms_norm`] | 3.1 | the `(1 + w)` RMSNorm of the layer, q/k and final norms |
+//! | [`moe_route`] | 3.7 | MoE router: softmax, top-k with `torch.topk`'s order, optional renormalisation |
 //!
 //! Every function validates its arguments (rank, sizes, floating-point
 //! dtypes, one device for all tensors) and then dispatches on the device of
@@ -39,12 +41,14 @@ mod cuda;
 mod gate;
 mod norm;
 mod recurrence;
+mod route;
 
 pub use attn_res::attn_res_mix;
 pub use conv::causal_conv1d;
 pub use gate::kda_gate;
-pub use norm::gated_rms_norm;
+pub use norm::{gated_rms_norm, offset_rms_norm};
 pub use recurrence::{kda_recurrence, kda_recurrence_with, KdaPrefillAlgorithm};
+pub use route::moe_route;
 
 /// Errors returned by the kernels of this crate.
 #[derive(Debug, thiserror::Error)]
@@ -95,6 +99,19 @@ fn unsupported_device(op: &'static str, device: &Device) -> KernelError {
     }
 }
 
+/// Fails unless `dtype` is a floating-point dtype that this crate supports
+/// (`f32`, `bf16` or `f16`).
+fn expect_float_dtype(op: &'static str, arg: &'static str, dtype: DType) -> Result<()> {
+    match dtype {
+        DType::F16 | DType::BF16 | DType::F32 => Ok(()),
+        other => Err(invalid_argument(
+            op,
+            arg,
+            format!("dtype {other:?} is not supported (expected f32, bf16 or f16)"),
+        )),
+    }
+}
+
 /// Returns the dimensions of `tensor`, which must have rank `RANK` and a
 /// floating-point dtype that this crate supports.
 fn float_dims<const RANK: usize>(
@@ -102,16 +119,7 @@ fn float_dims<const RANK: usize>(
     arg: &'static str,
     tensor: &Tensor,
 ) -> Result<[usize; RANK]> {
-    match tensor.dtype() {
-        DType::F16 | DType::BF16 | DType::F32 => {}
-        other => {
-            return Err(invalid_argument(
-                op,
-                arg,
-                format!("dtype {other:?} is not supported (expected f32, bf16 or f16)"),
-            ))
-        }
-    }
+    expect_float_dtype(op, arg, tensor.dtype())?;
     <[usize; RANK]>::try_from(tensor.dims()).map_err(|_| {
         invalid_argument(
             op,

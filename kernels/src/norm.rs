@@ -1,14 +1,16 @@
-//! Gated RMSNorm, norm before gate, SiLU activation (spec 3.1,
-//! `BerryLMRMSNormGated`).
+//! The RMSNorms of spec 3.1: the gated RMSNorm (norm before gate, SiLU
+//! activation, `BerryLMRMSNormGated`) and the `(1 + w)` RMSNorm
+//! (`BerryLMRMSNorm`).
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor, D};
 
 use crate::{
-    expect_device, expect_dim, float_dims, invalid_argument, round_to_dtype, silu, tensor_from_f32,
-    to_f32_vec, unsupported_device, Result,
+    expect_device, expect_dim, expect_float_dtype, float_dims, invalid_argument, round_to_dtype,
+    silu, tensor_from_f32, to_f32_vec, unsupported_device, Result,
 };
 
 const OP: &str = "gated_rms_norm";
+const OFFSET_OP: &str = "offset_rms_norm";
 
 /// Normalises each row of `x`, scales it by `weight` and gates it with
 /// `silu(z)`, rounding like the PyTorch reference:
@@ -89,4 +91,68 @@ fn cpu_gated_rms_norm(
         .map(|(scaled, &gate)| scaled * silu(gate))
         .collect();
     tensor_from_f32(gated, &[rows, width], dtype)
+}
+
+/// Normalises `x` over its last dimension and scales it by `scale`, in `f32`
+/// with one rounding at the end (spec 3.1, `BerryLMRMSNorm`):
+///
+/// ```text
+/// y = round(x / sqrt(mean(x^2) + eps) * scale)      (x in f32)
+/// ```
+///
+/// where `round` rounds to the dtype of `x`, and `scale` already holds
+/// `1 + w` (the norm's weight `w` plus one, computed in `f32`).
+///
+/// * `x`: `[..., D]`, any rank from 1 (for the layer norms `D` is the hidden
+///   size, for the q/k norms the head dim).
+/// * `scale`: `[D]`, `f32`.
+///
+/// Returns a tensor of the shape and dtype of `x`. On the CPU this is the
+/// candle op sequence `x.to(f32)`, `sqr`, `mean_keepdim`, `+ eps`, `sqrt`,
+/// `broadcast_div`, `broadcast_mul(scale)`, `to(dtype)`, so results are those
+/// of that sequence bit for bit.
+pub fn offset_rms_norm(x: &Tensor, scale: &Tensor, eps: f64) -> Result<Tensor> {
+    expect_float_dtype(OFFSET_OP, "x", x.dtype())?;
+    let Some(&width) = x.dims().last() else {
+        return Err(invalid_argument(
+            OFFSET_OP,
+            "x",
+            "expected at least one dimension, got a scalar".to_string(),
+        ));
+    };
+    if width == 0 {
+        return Err(invalid_argument(
+            OFFSET_OP,
+            "x",
+            "the last dimension must be positive".to_string(),
+        ));
+    }
+    let [scale_len] = float_dims::<1>(OFFSET_OP, "scale", scale)?;
+    if scale.dtype() != DType::F32 {
+        return Err(invalid_argument(
+            OFFSET_OP,
+            "scale",
+            format!(
+                "dtype {:?} is not supported (expected f32: `1 + w` is kept in f32)",
+                scale.dtype()
+            ),
+        ));
+    }
+    expect_dim(OFFSET_OP, "scale", "length", scale_len, width)?;
+    let device = x.device();
+    expect_device(OFFSET_OP, "scale", scale, device)?;
+    match device {
+        Device::Cpu => cpu_offset_rms_norm(x, scale, eps),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => crate::cuda::offset_rms_norm(x, scale, eps, width),
+        other => Err(unsupported_device(OFFSET_OP, other)),
+    }
+}
+
+fn cpu_offset_rms_norm(x: &Tensor, scale: &Tensor, eps: f64) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let x = x.to_dtype(DType::F32)?;
+    let mean_square = x.sqr()?.mean_keepdim(D::Minus1)?;
+    let normed = x.broadcast_div(&(mean_square + eps)?.sqrt()?)?;
+    Ok(normed.broadcast_mul(scale)?.to_dtype(dtype)?)
 }

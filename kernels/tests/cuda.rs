@@ -1,6 +1,6 @@
 //! Every CUDA kernel against its CPU reference on the same random inputs, at
 //! BerryLM-OS shapes (hidden 2048, Hk 16, Hv 32, dk = dv = 128, conv kernel 4,
-//! conv_dim 8192) and at small odd shapes, in f32 (tight tolerance) and in
+//! conv_dim 8192, head dim 256, 128 experts top-8) and at small odd shapes, in f32 (tight tolerance) and in
 //! bf16/f16 (a rounding step of the output dtype), plus chained calls that
 //! carry the conv and recurrent states. Every recurrence case runs once per
 //! [`KdaPrefillAlgorithm`] (through `kda_recurrence_with`), each against the
@@ -15,7 +15,7 @@ mod common;
 
 use berrylm_kernels::{
     attn_res_mix, causal_conv1d, gated_rms_norm, kda_gate, kda_recurrence, kda_recurrence_with,
-    KdaPrefillAlgorithm, KernelError, Result,
+    moe_route, offset_rms_norm, KdaPrefillAlgorithm, KernelError, Result,
 };
 use std::sync::OnceLock;
 
@@ -30,6 +30,12 @@ const DK: usize = 128;
 const DV: usize = 128;
 const CONV_K: usize = 4;
 const CONV_DIM: usize = 2 * HK * DK + HV * DV;
+/// Head dim of the full-attention layers (the q/k norms' width).
+const HEAD_DIM: usize = 256;
+/// Query heads of the full-attention layers.
+const HEADS: usize = 16;
+const EXPERTS: usize = 128;
+const TOP_K: usize = 8;
 
 /// One CUDA device shared by every test (tensors of two `Device::new_cuda`
 /// handles count as different devices).
@@ -891,6 +897,343 @@ fn norm_matches_cpu_at_odd_shapes_and_layouts() -> Result<()> {
         &cpu,
         output_tol(DType::BF16),
     )?;
+    Ok(())
+}
+
+// --------------------------------------------------------- offset_rms_norm
+
+/// `f32`'s unit roundoff, 2^-24.
+const F32_U: f64 = 1.0 / 16_777_216.0;
+
+/// Tolerance of `offset_rms_norm` at width `width`, relative to each value.
+///
+/// Both devices square each value in f32 (the same squares) and then run the
+/// same f32 operations (times `1/D`, `+ eps`, sqrt, division, product); only
+/// the order of the sum of squares differs. A sum of `D` non-negative terms
+/// is within `(D - 1)u` of the exact sum in any order, so the two sums differ
+/// by at most `2(D - 1)u` relative, and `times 1/D` and `+ eps` add one
+/// rounding (u) on each side: `2(D - 1)u + 4u` before the root, which halves
+/// it and adds its own rounding on each side (2u); the division and the
+/// product add 2u each: `(D + 7)u`, here `(D + 8)u`. Every element of a row
+/// carries its row's error, so the bound is per element (typical
+/// differences are a few ulp). Half-precision outputs add one step of their
+/// dtype (a rounding flip: at most 2^-7 of the value for bf16, 2^-10 for
+/// f16) and, for f16, its subnormal step 2^-24 near zero (`atol` is scaled by
+/// the largest value, which is above 1 here).
+fn offset_norm_tol(width: usize, dtype: DType) -> Tol {
+    let f32_part = (width as f64 + 8.0) * F32_U;
+    match dtype {
+        DType::BF16 => Tol {
+            atol: 0.0,
+            rtol: 1.0 / 128.0 + f32_part,
+        },
+        DType::F16 => Tol {
+            atol: 1e-7,
+            rtol: 1.0 / 1024.0 + f32_part,
+        },
+        _ => Tol {
+            atol: 0.0,
+            rtol: f32_part,
+        },
+    }
+}
+
+/// `x` on the CPU and its copy on the GPU through the same view.
+fn offset_norm_check(what: &str, x: &Tensor, x_gpu: &Tensor, scale: &Tensor) -> Result<()> {
+    let width = scale.dims()[0];
+    let cpu = offset_rms_norm(x, scale, 1e-6)?;
+    let cuda = offset_rms_norm(x_gpu, &to_gpu(scale, &gpu())?, 1e-6)?;
+    compare(what, &cuda, &cpu, offset_norm_tol(width, x.dtype()))?;
+    Ok(())
+}
+
+fn offset_norm_case(seed: u64, dims: &[usize], dtype: DType) -> Result<()> {
+    let mut rng = Rng::new(seed);
+    let width = dims[dims.len() - 1];
+    let x = random(&mut rng, dims, -3.0, 3.0, dtype)?;
+    let scale = random(&mut rng, &[width], 0.5, 1.5, DType::F32)?;
+    let what = format!("offset_rms_norm {dims:?} {dtype:?}");
+    offset_norm_check(&what, &x, &to_gpu(&x, &gpu())?, &scale)
+}
+
+#[test]
+fn offset_norm_matches_cpu_at_model_shapes() -> Result<()> {
+    let mut seed = 1600;
+    for rows in [1, 7, 300] {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            seed += 1;
+            // Layer and final norms: [B, T, hidden].
+            offset_norm_case(seed, &[1, rows, HIDDEN], dtype)?;
+            // q/k norms: [B, T, heads, head_dim].
+            offset_norm_case(seed, &[1, rows, HEADS, HEAD_DIM], dtype)?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn offset_norm_matches_cpu_at_odd_widths_and_layouts() -> Result<()> {
+    let mut seed = 1700;
+    // One warp per row up to 256, then 2, 4 and 8 warps; 8192 is the widest.
+    for width in [1, 24, 255, 257, 513, 1000, 1025, 8192] {
+        for dtype in [DType::F32, DType::BF16] {
+            for rows in [1, 7, 300] {
+                seed += 1;
+                offset_norm_case(seed, &[rows, width], dtype)?;
+            }
+        }
+    }
+    // A transposed view ([B, T, H, D] -> [B, H, T, D], non-contiguous) and a
+    // row range (contiguous, non-zero start offset).
+    let mut rng = Rng::new(1800);
+    let x = random(&mut rng, &[2, 5, HEADS, HEAD_DIM], -3.0, 3.0, DType::BF16)?;
+    let scale = random(&mut rng, &[HEAD_DIM], 0.5, 1.5, DType::F32)?;
+    let x_gpu = to_gpu(&x, &gpu())?;
+    offset_norm_check(
+        "offset_rms_norm transposed view",
+        &x.transpose(1, 2)?,
+        &x_gpu.transpose(1, 2)?,
+        &scale,
+    )?;
+    let rows = x.reshape((10 * HEADS, HEAD_DIM))?;
+    let rows_gpu = x_gpu.reshape((10 * HEADS, HEAD_DIM))?;
+    offset_norm_check(
+        "offset_rms_norm row range",
+        &rows.narrow(0, 3, 50)?,
+        &rows_gpu.narrow(0, 3, 50)?,
+        &scale,
+    )?;
+    Ok(())
+}
+
+// --------------------------------------------------------------- moe_route
+
+/// CPU probabilities whose order the two devices may see differently: the
+/// exponentials differ by at most one ulp (double-precision `exp` rounded
+/// once on the GPU, glibc's `expf`, within 0.502 ulp, on the CPU) and the
+/// division by the (differently summed) total rounds each side once, so a
+/// pair can compare differently only when its CPU probabilities are within
+/// about 3 ulp; 8 ulp (relative 2^-20) leaves a margin.
+const NEAR_TIE: f64 = 8.0 / 8_388_608.0;
+
+/// Tolerance of the routing weights, relative to each weight.
+///
+/// f32: the probabilities differ by one ulp of the exponential (2u), the
+/// order of the softmax sum of `E` terms (at most `(E - 1)u` relative on the
+/// CPU's sequential side, at most about 20u on the GPU's lanes-then-warps
+/// side) and the rounding of the division on each side (2u); renormalised
+/// weights divide by a sum of the same `k` values in the same order, which
+/// cancels the softmax sum. `(E + 32)u` bounds both. Half-precision weights
+/// add one step of their dtype (a rounding flip); f16 also its subnormal step
+/// 2^-24 (absolute).
+fn route_tol(experts: usize, weight_dtype: DType) -> (f64, f64) {
+    let f32_part = (experts as f64 + 32.0) * F32_U;
+    match weight_dtype {
+        DType::BF16 => (0.0, 1.0 / 128.0 + f32_part),
+        DType::F16 => (F32_U, 1.0 / 1024.0 + f32_part),
+        _ => (0.0, f32_part),
+    }
+}
+
+/// `f32` values of a `[rows, cols]` tensor (any device), row by row.
+fn rows_f32(tensor: &Tensor) -> Result<Vec<Vec<f32>>> {
+    Ok(tensor
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .to_vec2::<f32>()?)
+}
+
+/// Routes `logits` (a CPU tensor) on both devices and compares.
+///
+/// Ids must be identical, except in a row where two of its `k + 1` most
+/// probable experts are a near tie: different `x - max` (so not an exact tie
+/// on either device: equal logits give bit-identical probabilities on both)
+/// with CPU probabilities within [`NEAR_TIE`]. In such a row the GPU's
+/// expert at each place must have a CPU probability within `NEAR_TIE` of
+/// the CPU's expert's there. Weights are compared place by place. Returns
+/// the number of rows with a near tie whose ids differ.
+fn route_check(
+    what: &str,
+    logits: &Tensor,
+    top_k: usize,
+    renormalize: bool,
+    weight_dtype: DType,
+) -> Result<usize> {
+    let [rows, experts] = *logits.dims() else {
+        unreachable!()
+    };
+    let (cpu_w, cpu_ids) = moe_route(logits, top_k, renormalize, weight_dtype)?;
+    let (cuda_w, cuda_ids) = moe_route(&to_gpu(logits, &gpu())?, top_k, renormalize, weight_dtype)?;
+    for (name, tensor, dtype) in [
+        ("weights", &cuda_w, DType::F32),
+        ("ids", &cuda_ids, DType::U32),
+    ] {
+        assert!(tensor.device().is_cuda(), "{what}: {name} not on the GPU");
+        assert_eq!(tensor.dims(), &[rows, top_k], "{what}: {name} shape");
+        assert_eq!(tensor.dtype(), dtype, "{what}: {name} dtype");
+    }
+    // Every CPU probability, by decreasing value and by expert, and
+    // x - max, to tell near ties.
+    let (all_w, all_ids) = moe_route(logits, experts, false, DType::F32)?;
+    let (all_w, all_ids): (Vec<Vec<f32>>, Vec<Vec<u32>>) = (rows_f32(&all_w)?, all_ids.to_vec2()?);
+    let logit_rows = rows_f32(logits)?;
+    let (cpu_w, cuda_w) = (rows_f32(&cpu_w)?, rows_f32(&cuda_w)?);
+    let cpu_ids: Vec<Vec<u32>> = cpu_ids.to_vec2()?;
+    let cuda_ids: Vec<Vec<u32>> = cuda_ids.to_device(&Device::Cpu)?.to_vec2()?;
+    let (atol, rtol) = route_tol(experts, weight_dtype);
+    let (mut near_tie_rows, mut differing, mut worst) = (0, 0, 0f64);
+    for row in 0..rows {
+        let sorted = &all_ids[row];
+        let mut prob = vec![0f32; experts];
+        for (&w, &id) in all_w[row].iter().zip(sorted) {
+            prob[id as usize] = w;
+        }
+        let logit_row = &logit_rows[row];
+        let max = logit_row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let near = |a: u32, b: u32| {
+            let (pa, pb) = (f64::from(prob[a as usize]), f64::from(prob[b as usize]));
+            let (da, db) = (logit_row[a as usize] - max, logit_row[b as usize] - max);
+            da != db && (pa - pb).abs() <= NEAR_TIE * pa.max(pb)
+        };
+        let candidates = &sorted[..(top_k + 1).min(experts)];
+        let has_near_tie = candidates.windows(2).any(|pair| near(pair[0], pair[1]));
+        if cuda_ids[row] != cpu_ids[row] {
+            assert!(
+                has_near_tie,
+                "{what}: row {row}: ids differ without a near tie: cuda {:?}, cpu {:?}",
+                cuda_ids[row], cpu_ids[row]
+            );
+            for (&g, &c) in cuda_ids[row].iter().zip(&cpu_ids[row]) {
+                let (pg, pc) = (f64::from(prob[g as usize]), f64::from(prob[c as usize]));
+                assert!(
+                    (pg - pc).abs() <= NEAR_TIE * pg.max(pc),
+                    "{what}: row {row}: expert {g} (cpu p {pg}) in place of {c} (cpu p {pc})"
+                );
+            }
+            near_tie_rows += 1;
+        }
+        for (place, (&g, &w)) in cuda_w[row].iter().zip(&cpu_w[row]).enumerate() {
+            if g.to_bits() != w.to_bits() {
+                differing += 1;
+            }
+            let error = (f64::from(g) - f64::from(w)).abs();
+            let allowed = atol + rtol * f64::from(w).abs();
+            assert!(
+                error <= allowed || (g.is_nan() && w.is_nan()),
+                "{what}: row {row} place {place}: cuda {g}, cpu {w} (error {error:e}, allowed {allowed:e})"
+            );
+            if error.is_finite() && error > worst {
+                worst = error;
+            }
+        }
+    }
+    eprintln!(
+        "{what}: {rows} rows, {near_tie_rows} with near-tie id differences, {differing} weights differ, max error {worst:e}"
+    );
+    if weight_dtype != DType::F32 {
+        // Rounding flips are rare; a systematic error would touch many.
+        assert!(
+            differing <= rows * top_k / 50 + 2,
+            "{what}: {differing} half-precision weights differ"
+        );
+    }
+    Ok(near_tie_rows)
+}
+
+#[test]
+fn route_matches_cpu_at_model_shapes() -> Result<()> {
+    let mut seed = 1900;
+    let (mut routed_rows, mut near_tie_rows) = (0, 0);
+    for rows in [1, 7, 300] {
+        for logits_dtype in [DType::F32, DType::BF16] {
+            seed += 1;
+            let mut rng = Rng::new(seed);
+            let logits = random(&mut rng, &[rows, EXPERTS], -4.0, 4.0, logits_dtype)?;
+            for renormalize in [true, false] {
+                for weight_dtype in [DType::F32, DType::BF16] {
+                    let what = format!(
+                        "moe_route N={rows} E={EXPERTS} k={TOP_K} {logits_dtype:?} renorm={renormalize} w={weight_dtype:?}"
+                    );
+                    near_tie_rows += route_check(&what, &logits, TOP_K, renormalize, weight_dtype)?;
+                    routed_rows += rows;
+                }
+            }
+        }
+    }
+    // A near tie needs two of the 9 largest logits within a few f32 ulp of
+    // each other, which these draws make rare (bf16 logits tie exactly
+    // instead, which must not count).
+    assert!(
+        near_tie_rows <= routed_rows / 100,
+        "{near_tie_rows} of {routed_rows} rows with near-tie id differences"
+    );
+    Ok(())
+}
+
+/// Logits on a coarse grid (multiples of 1/4 in [-4, 4]): most rows have
+/// exact ties among their largest probabilities, so the GPU replays
+/// PyTorch's selection; distinct logits are at least 1/4 apart (a factor
+/// e^(1/4) in probability), far from any near tie, so ids must be
+/// identical. Covers PyTorch's heap select (`64 k <= E`), introselect with
+/// insertion sort, introselect with introsort (`k - 1 > 16`) and `k = E`,
+/// plus a row of equal logits and a row with a NaN.
+#[test]
+fn route_breaks_exact_ties_like_cpu() -> Result<()> {
+    let mut seed = 2000;
+    for (experts, top_k) in [
+        (EXPERTS, TOP_K),
+        (EXPERTS, 1),
+        (EXPERTS, 2),
+        (EXPERTS, 40),
+        (512, 8),
+        (512, 512),
+        (16, 16),
+        (7, 3),
+    ] {
+        for logits_dtype in [DType::F32, DType::BF16] {
+            seed += 1;
+            let rows = 300;
+            let mut rng = Rng::new(seed);
+            let mut values: Vec<f32> = rng
+                .uniform_vec(rows * experts, -4.0, 4.0)
+                .into_iter()
+                .map(|v| (v * 4.0).round() / 4.0)
+                .collect();
+            values[..experts].fill(0.5);
+            values[experts + 3] = f32::NAN;
+            let logits = tensor(values, &[rows, experts])?.to_dtype(logits_dtype)?;
+            let what = format!("moe_route ties E={experts} k={top_k} {logits_dtype:?}");
+            let near_tie_rows = route_check(&what, &logits, top_k, true, DType::F32)?;
+            assert_eq!(near_tie_rows, 0, "{what}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn route_matches_cpu_at_odd_sizes() -> Result<()> {
+    let mut seed = 2100;
+    for experts in [1, 7, 33, 300, 512] {
+        for top_k in [1, 3, experts] {
+            if top_k > experts {
+                continue;
+            }
+            seed += 1;
+            let mut rng = Rng::new(seed);
+            let logits = random(&mut rng, &[7, experts], -6.0, 6.0, DType::F16)?;
+            let what = format!("moe_route E={experts} k={top_k} F16");
+            route_check(&what, &logits, top_k, seed % 2 == 0, DType::F16)?;
+        }
+    }
+    // More experts than the kernel's block takes: a clear error.
+    let logits = Tensor::zeros((2, 513), DType::F32, &gpu())?;
+    match moe_route(&logits, 8, true, DType::F32) {
+        Err(KernelError::InvalidArgument {
+            arg: "router_logits",
+            ..
+        }) => {}
+        other => panic!("expected an InvalidArgument error, got {other:?}"),
+    }
     Ok(())
 }
 

@@ -33,6 +33,10 @@ const PREFILL_CHUNKED: c_int = 1;
 /// The most sources `attn_res_mix` takes on CUDA (`kMaxSources` in attn_res.cu).
 pub(crate) const MAX_ATTN_RES_SOURCES: usize = 32;
 
+/// The most experts `moe_route` takes on CUDA (`kMaxExperts` in route.cu: one
+/// thread per expert in a block).
+const MAX_MOE_EXPERTS: usize = 512;
+
 #[allow(improper_ctypes)]
 extern "C" {
     fn berrylm_cuda_error_string(code: c_int) -> *const c_char;
@@ -113,6 +117,31 @@ extern "C" {
         rows: i64,
         width: c_int,
         eps: f32,
+        stream: *mut c_void,
+    ) -> c_int;
+
+    fn berrylm_offset_rms_norm(
+        x_dtype: c_int,
+        x: *const c_void,
+        scale: *const f32,
+        out: *mut c_void,
+        rows: i64,
+        width: c_int,
+        inv_width: f32,
+        eps: f32,
+        stream: *mut c_void,
+    ) -> c_int;
+
+    fn berrylm_moe_route(
+        logits_dtype: c_int,
+        logits: *const c_void,
+        weights: *mut f32,
+        ids: *mut u32,
+        rows: i64,
+        experts: c_int,
+        top_k: c_int,
+        renormalize: c_int,
+        weight_dtype: c_int,
         stream: *mut c_void,
     ) -> c_int;
 }
@@ -262,6 +291,7 @@ fn output_ptr<'a>(
         CudaStorageSlice::F32(s) => s.device_ptr_mut(stream),
         CudaStorageSlice::BF16(s) => s.device_ptr_mut(stream),
         CudaStorageSlice::F16(s) => s.device_ptr_mut(stream),
+        CudaStorageSlice::U32(s) => s.device_ptr_mut(stream),
         _ => {
             return Err(KernelError::Candle(candle_core::Error::Msg(
                 "unsupported output dtype".to_string(),
@@ -611,4 +641,97 @@ pub(crate) fn gated_rms_norm(
         check(OP, code)?;
     }
     Ok(into_tensor(out, shape))
+}
+
+/// CUDA `offset_rms_norm`; arguments already validated by the caller (`scale`
+/// is `f32`, `width` is the last dimension of `x`).
+pub(crate) fn offset_rms_norm(
+    x: &Tensor,
+    scale: &Tensor,
+    eps: f64,
+    width: usize,
+) -> Result<Tensor> {
+    const OP: &str = "offset_rms_norm";
+    let launch = Launch::new(cuda_device(OP, x)?)?;
+    let x = Input::new(x, None)?;
+    let scale = Input::new(scale, Some(DType::F32))?;
+    let shape = x.tensor.shape().clone();
+    let rows = shape.elem_count() / width;
+    // What candle's `mean_keepdim` multiplies the sum by, and the `eps` its
+    // `+ eps` adds, both rounded to f32 as candle rounds them.
+    let inv_width = (1.0 / width as f64) as f32;
+    let mut out = launch.alloc(&shape, x.dtype())?;
+    {
+        input_ptrs!(OP, launch, x_p <- x, scale_p <- scale);
+        let out_p = output_ptr(&mut out, &launch.stream)?;
+        // SAFETY: as in `kda_gate`.
+        let code = unsafe {
+            berrylm_offset_rms_norm(
+                dtype_code(OP, x.dtype())?,
+                x_p.0 as *const c_void,
+                scale_p.0 as *const f32,
+                out_p.0 as *mut c_void,
+                rows as i64,
+                c_size(OP, "x", width)?,
+                inv_width,
+                eps as f32,
+                launch.raw_stream(),
+            )
+        };
+        check(OP, code)?;
+    }
+    Ok(into_tensor(out, shape))
+}
+
+/// CUDA `moe_route`; arguments already validated by the caller.
+pub(crate) fn moe_route(
+    router_logits: &Tensor,
+    rows: usize,
+    experts: usize,
+    top_k: usize,
+    renormalize: bool,
+    weight_dtype: DType,
+) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "moe_route";
+    if experts > MAX_MOE_EXPERTS {
+        return Err(invalid_argument(
+            OP,
+            "router_logits",
+            format!("{experts} experts exceed the CUDA kernel's maximum {MAX_MOE_EXPERTS}"),
+        ));
+    }
+    if rows > i32::MAX as usize {
+        return Err(invalid_argument(
+            OP,
+            "router_logits",
+            format!("{rows} rows exceed the CUDA kernel's maximum {}", i32::MAX),
+        ));
+    }
+    let launch = Launch::new(cuda_device(OP, router_logits)?)?;
+    let logits = Input::new(router_logits, None)?;
+    let shape = Shape::from_dims(&[rows, top_k]);
+    let mut weights = launch.alloc(&shape, DType::F32)?;
+    let mut ids = launch.alloc(&shape, DType::U32)?;
+    {
+        input_ptrs!(OP, launch, logits_p <- logits);
+        let weights_p = output_ptr(&mut weights, &launch.stream)?;
+        let ids_p = output_ptr(&mut ids, &launch.stream)?;
+        // SAFETY: as in `kda_gate`.
+        let code = unsafe {
+            berrylm_moe_route(
+                dtype_code(OP, logits.dtype())?,
+                logits_p.0 as *const c_void,
+                weights_p.0 as *mut f32,
+                ids_p.0 as *mut u32,
+                rows as i64,
+                c_size(OP, "router_logits", experts)?,
+                c_size(OP, "top_k", top_k)?,
+                c_int::from(renormalize),
+                dtype_code(OP, weight_dtype)?,
+                launch.raw_stream(),
+            )
+        };
+        check(OP, code)?;
+    }
+    Ok((into_tensor(weights, shape.clone()), into_tensor(ids, shape)))
 }

@@ -1,8 +1,21 @@
-// Gated RMSNorm, norm before gate, SiLU (spec 3.1, BerryLMRMSNormGated):
+// The RMSNorms of spec 3.1.
+//
+// Gated RMSNorm, norm before gate, SiLU (BerryLMRMSNormGated):
 //   n  = round_x(x / sqrt(mean(x^2) + eps))     (f32)
 //   wn = round_x(weight * n)
 //   y  = round_x(wn * silu(z))                  (z in f32)
 // One warp per row; each lane strides over the row (coalesced).
+//
+// (1 + w) RMSNorm (BerryLMRMSNorm), `scale` = 1 + w in f32:
+//   y  = round_x(x / sqrt(sum(x^2) * inv_width + eps) * scale)    (f32)
+// evaluated with the operations and rounding points of the CPU reference
+// (candle's sqr, mean_keepdim = sum times the f32 `1/D`, + eps, sqrt,
+// division, product): every square is rounded to f32 before it is summed, the
+// mean is the sum times `inv_width` (not a division by D), and x is divided by
+// the root (not multiplied by its reciprocal), so for the same sum of squares
+// the f32 value before the final rounding is the CPU's bit for bit. Only the
+// order of the sum differs (lanes, then warps, vs. candle's sequential or
+// SIMD-lane sum). One to eight warps per row, by width.
 #include "common.cuh"
 
 namespace berrylm::norm {
@@ -35,6 +48,50 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     }
 }
 
+// (1 + w) RMSNorm: `warps_per_row` (1, 2, 4 or 8) warps per row, so
+// kWarpsPerBlock / warps_per_row rows per block; the lanes of a row's warps
+// stride over it together (coalesced), and the row's warp sums are added in
+// warp order.
+template <typename T>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32)
+    offset_rms_norm_kernel(const T* __restrict__ x, const float* __restrict__ scale,
+                           T* __restrict__ out, long long rows, int width, int warps_per_row,
+                           float inv_width, float eps) {
+    __shared__ float partial[kWarpsPerBlock];
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int group = warp / warps_per_row;
+    const int rows_per_block = kWarpsPerBlock / warps_per_row;
+    const long long row = static_cast<long long>(blockIdx.x) * rows_per_block + group;
+    const bool active = row < rows;
+    const int first = (warp % warps_per_row) * 32 + lane;
+    const int stride = warps_per_row * 32;
+    const T* xr = x + (active ? row : 0) * width;
+    float sum_sq = 0.0f;
+    if (active) {
+        for (int i = first; i < width; i += stride) {
+            const float v = berrylm::to_f32(xr[i]);
+            sum_sq = __fadd_rn(sum_sq, __fmul_rn(v, v));
+        }
+    }
+    sum_sq = berrylm::warp_sum(sum_sq);
+    if (warps_per_row > 1) {  // uniform over the block
+        if (lane == 0) partial[warp] = sum_sq;
+        __syncthreads();
+        sum_sq = 0.0f;
+        for (int w = 0; w < warps_per_row; ++w) {
+            sum_sq = __fadd_rn(sum_sq, partial[group * warps_per_row + w]);
+        }
+    }
+    if (!active) return;
+    const float rms = __fsqrt_rn(__fadd_rn(__fmul_rn(sum_sq, inv_width), eps));
+    T* yr = out + row * width;
+    for (int i = first; i < width; i += stride) {
+        const float n = __fdiv_rn(berrylm::to_f32(xr[i]), rms);
+        yr[i] = berrylm::from_f32<T>(__fmul_rn(n, scale[i]));
+    }
+}
+
 }  // namespace berrylm::norm
 
 using namespace berrylm::norm;
@@ -62,6 +119,26 @@ extern "C" int berrylm_gated_rms_norm(int x_dtype, int z_dtype, const void* x, c
                 static_cast<const TX*>(x), static_cast<const float*>(z), weight,
                 static_cast<TX*>(out), rows, width, eps);
         }
+    });
+    return berrylm::launch_status();
+}
+
+// `inv_width` is 1/width rounded to f32 (what candle's mean multiplies by).
+extern "C" int berrylm_offset_rms_norm(int x_dtype, const void* x, const float* scale, void* out,
+                                       long long rows, int width, float inv_width, float eps,
+                                       void* stream) {
+    if (rows == 0 || width == 0) return 0;
+    // At most 8 values per thread up to width 2048; a whole block per row
+    // from width 1025 on.
+    const int warps_per_row = width <= 256 ? 1 : width <= 512 ? 2 : width <= 1024 ? 4 : 8;
+    const int rows_per_block = kWarpsPerBlock / warps_per_row;
+    const long long blocks = (rows + rows_per_block - 1) / rows_per_block;
+    if (blocks > 0x7fffffffll) return static_cast<int>(cudaErrorInvalidValue);
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    BERRYLM_DISPATCH_DTYPE(x_dtype, T, {
+        offset_rms_norm_kernel<T><<<static_cast<unsigned int>(blocks), kWarpsPerBlock * 32, 0, s>>>(
+            static_cast<const T*>(x), scale, static_cast<T*>(out), rows, width, warps_per_row,
+            inv_width, eps);
     });
     return berrylm::launch_status();
 }

@@ -1,6 +1,6 @@
 use berrylm_kernels::{
     attn_res_mix, causal_conv1d, gated_rms_norm, kda_gate, kda_recurrence, kda_recurrence_with,
-    KdaPrefillAlgorithm, KernelError, Result,
+    moe_route, offset_rms_norm, KdaPrefillAlgorithm, KernelError, Result,
 };
 use candle_core::{DType, Device, Tensor};
 
@@ -150,6 +150,50 @@ fn gated_rms_norm_rejects_bad_arguments() {
         gated_rms_norm(&zeros(&[8]), &x, &zeros(&[8]), 1e-6),
         op,
         "x",
+    );
+}
+
+#[test]
+fn offset_rms_norm_rejects_bad_arguments() {
+    let x = zeros(&[3, 8]);
+    let op = "offset_rms_norm";
+    assert_rejects(offset_rms_norm(&x, &zeros(&[7]), 1e-6), op, "scale");
+    assert_rejects(offset_rms_norm(&x, &zeros(&[1, 8]), 1e-6), op, "scale");
+    let bf16_scale = zeros(&[8]).to_dtype(DType::BF16).expect("bf16");
+    assert_rejects(offset_rms_norm(&x, &bf16_scale, 1e-6), op, "scale");
+    let scalar = Tensor::new(1f32, &Device::Cpu).expect("scalar");
+    assert_rejects(offset_rms_norm(&scalar, &zeros(&[1]), 1e-6), op, "x");
+    assert_rejects(
+        offset_rms_norm(&zeros(&[3, 0]), &zeros(&[0]), 1e-6),
+        op,
+        "x",
+    );
+    let integer_x = Tensor::zeros((3, 8), DType::U32, &Device::Cpu).expect("zeros");
+    assert_rejects(offset_rms_norm(&integer_x, &zeros(&[8]), 1e-6), op, "x");
+}
+
+#[test]
+fn moe_route_rejects_bad_arguments() {
+    let logits = zeros(&[3, 8]);
+    let op = "moe_route";
+    assert_rejects(moe_route(&logits, 0, true, DType::F32), op, "top_k");
+    assert_rejects(moe_route(&logits, 9, true, DType::F32), op, "top_k");
+    assert_rejects(moe_route(&logits, 2, true, DType::U32), op, "weight_dtype");
+    assert_rejects(
+        moe_route(&zeros(&[8]), 2, true, DType::F32),
+        op,
+        "router_logits",
+    );
+    assert_rejects(
+        moe_route(&zeros(&[3, 0]), 1, true, DType::F32),
+        op,
+        "router_logits",
+    );
+    let integer_logits = Tensor::zeros((3, 8), DType::U32, &Device::Cpu).expect("zeros");
+    assert_rejects(
+        moe_route(&integer_logits, 2, true, DType::F32),
+        op,
+        "router_logits",
     );
 }
 

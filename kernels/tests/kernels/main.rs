@@ -7,3 +7,4 @@ mod errors;
 mod gate;
 mod norm;
 mod recurrence;
+mod route;

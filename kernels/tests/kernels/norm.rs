@@ -1,4 +1,4 @@
-use berrylm_kernels::{gated_rms_norm, Result};
+use berrylm_kernels::{gated_rms_norm, offset_rms_norm, Result};
 use candle_core::{DType, Tensor, D};
 
 use crate::common::{assert_close, assert_identical, f32_values, f64_values, silu, tensor, Rng};
@@ -77,6 +77,105 @@ fn half_precision_rounds_like_the_reference_chain() -> Result<()> {
         let gate = z.to_dtype(DType::F32)?.silu()?;
         let expected = scaled.to_dtype(DType::F32)?.mul(&gate)?.to_dtype(dtype)?;
         assert_identical(&gated_rms_norm(&x, &z, &weight, EPS)?, &expected)?;
+    }
+    Ok(())
+}
+
+// --------------------------------------------------------- offset_rms_norm
+
+/// `f32`'s unit roundoff, 2^-24.
+const F32_U: f64 = 1.0 / 16_777_216.0;
+
+/// Rows whose mean square has an exact root: `[3, 4, 0, 0]` (mean square
+/// 25/4, root 5/2) and `[2, 2, 2, 2]` (mean square 4, root 2 without eps, 4
+/// with eps = 12).
+#[test]
+fn offset_rms_norm_hand_computed_examples() -> Result<()> {
+    let x = tensor(vec![3.0, 4.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0], &[2, 4])?;
+    let scale = tensor(vec![1.0, 2.0, 0.5, 1.5], &[4])?;
+    let y = offset_rms_norm(&x, &scale, 0.0)?;
+    assert_eq!(y.dims(), &[2, 4]);
+    assert_eq!(y.dtype(), DType::F32);
+    let expected = [3.0 / 2.5, 4.0 / 2.5 * 2.0, 0.0, 0.0, 1.0, 2.0, 0.5, 1.5];
+    // x / 2.5 and the product round once each: within one ulp (2u).
+    assert_close(&f32_values(&y)?, &expected, 0.0, 2.0 * F32_U);
+    let y = offset_rms_norm(&x.narrow(0, 1, 1)?, &scale, 12.0)?;
+    assert_eq!(f32_values(&y)?, vec![0.5, 1.0, 0.25, 0.75]);
+    Ok(())
+}
+
+/// `x[..., c] * scale[c] / sqrt(mean(x^2) + eps)` in `f64`, over the last
+/// dimension of `x`.
+fn offset_reference(x: &Tensor, scale: &Tensor, eps: f64) -> Result<Vec<f64>> {
+    let width = x.dims()[x.rank() - 1];
+    let scale = f64_values(scale)?;
+    let mut result = Vec::new();
+    for row in f64_values(x)?.chunks(width) {
+        let rms = (row.iter().map(|v| v * v).sum::<f64>() / width as f64 + eps).sqrt();
+        result.extend(row.iter().zip(&scale).map(|(v, s)| v / rms * s));
+    }
+    Ok(result)
+}
+
+#[test]
+fn offset_rms_norm_matches_f64_reference() -> Result<()> {
+    let mut rng = Rng::new(11);
+    let x = tensor(rng.uniform_vec(2 * 3 * 40, -3.0, 3.0), &[2, 3, 40])?;
+    let scale = tensor(rng.uniform_vec(40, 0.5, 1.5), &[40])?;
+    let expected = offset_reference(&x, &scale, EPS)?;
+    let y = offset_rms_norm(&x, &scale, EPS)?;
+    assert_eq!(y.dims(), &[2, 3, 40]);
+    // A sum of 40 squares, the root, a division and a product in f32.
+    assert_close(&f32_values(&y)?, &expected, 0.0, 64.0 * F32_U);
+    // Half precision: the f32 value rounded once, to within half a step
+    // (2^-8 of the value for bf16's 8 significant bits, 2^-11 for f16's 11,
+    // plus half of f16's smallest subnormal step 2^-24 near zero); inputs
+    // rounded first.
+    for (dtype, half_step) in [(DType::BF16, 1.0 / 256.0), (DType::F16, 1.0 / 2048.0)] {
+        let x = x.to_dtype(dtype)?;
+        let y = offset_rms_norm(&x, &scale, EPS)?;
+        assert_eq!(y.dtype(), dtype);
+        let expected = offset_reference(&x, &scale, EPS)?;
+        assert_close(
+            &f32_values(&y)?,
+            &expected,
+            F32_U / 2.0,
+            half_step + 64.0 * F32_U,
+        );
+    }
+    // Rank 1.
+    let row = x.narrow(0, 0, 1)?.narrow(1, 0, 1)?.flatten_all()?;
+    let y = offset_rms_norm(&row, &scale, EPS)?;
+    assert_eq!(y.dims(), &[40]);
+    assert_close(
+        &f32_values(&y)?,
+        &offset_reference(&row, &scale, EPS)?,
+        0.0,
+        64.0 * F32_U,
+    );
+    Ok(())
+}
+
+/// The plugin's `OffsetRmsNorm::forward`, op by op with candle tensors: the
+/// CPU result must be this composition bit for bit, for every dtype and for
+/// strided inputs.
+#[test]
+fn offset_rms_norm_is_the_candle_op_composition() -> Result<()> {
+    let mut rng = Rng::new(12);
+    let scale = tensor(rng.uniform_vec(40, 0.5, 1.5), &[40])?;
+    // [3, 2, 40] transposed to a non-contiguous [2, 3, 40].
+    let base = tensor(rng.uniform_vec(3 * 2 * 40, -3.0, 3.0), &[3, 2, 40])?;
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        for x in [
+            base.to_dtype(dtype)?,
+            base.to_dtype(dtype)?.transpose(0, 1)?,
+        ] {
+            let x_f32 = x.to_dtype(DType::F32)?;
+            let mean_square = x_f32.sqr()?.mean_keepdim(D::Minus1)?;
+            let normed = x_f32.broadcast_div(&(mean_square + 1e-6)?.sqrt()?)?;
+            let expected = normed.broadcast_mul(&scale)?.to_dtype(dtype)?;
+            assert_identical(&offset_rms_norm(&x, &scale, 1e-6)?, &expected)?;
+        }
     }
     Ok(())
 }

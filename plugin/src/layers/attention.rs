@@ -14,6 +14,9 @@ use crate::layers::ops::{matmul, scale, sigmoid};
 use crate::layers::rope::PartialRotaryEmbedding;
 use crate::weights::Weights;
 
+/// Queries per block of the eager attention over long prompts.
+const QUERY_CHUNK: usize = 1024;
+
 /// Where this layer's keys and values live for one forward pass.
 pub enum AttentionKv<'a> {
     /// The host's contiguous per-batch cache (CPU and non-paged CUDA).
@@ -192,6 +195,27 @@ impl GatedAttention {
                 .reshape((b, kv_heads * groups, len, dim))
         };
         let (k, v) = (repeat(k)?, repeat(v)?);
+        let queries = q.dim(2)?;
+        if queries <= QUERY_CHUNK {
+            return self.attend(q, &k, &v, mask);
+        }
+        // Long prompts in chunks of queries: the scores of a whole 16k-token
+        // prompt would hold 2^32 elements per 16 heads, past what one kernel
+        // launch indexes.
+        let mut outputs = Vec::with_capacity(queries.div_ceil(QUERY_CHUNK));
+        for start in (0..queries).step_by(QUERY_CHUNK) {
+            let len = QUERY_CHUNK.min(queries - start);
+            let rows = mask
+                .map(|mask| mask.narrow(mask.rank() - 2, start, len))
+                .transpose()?;
+            outputs.push(self.attend(&q.narrow(2, start, len)?, &k, &v, rows.as_ref())?);
+        }
+        Tensor::cat(&outputs, 2)
+    }
+
+    /// `softmax(q k^T * scale + mask) v` with `k`/`v` already repeated to the
+    /// query heads.
+    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
         let scores = scale(
             &matmul(&q.contiguous()?, &k.t()?.contiguous()?)?,
             f64::from(self.sdpa_params.softmax_scale),
@@ -201,6 +225,6 @@ impl GatedAttention {
             None => scores,
         };
         let probs = softmax_last_dim(&scores.to_dtype(DType::F32)?)?.to_dtype(q.dtype())?;
-        matmul(&probs, &v)
+        matmul(&probs, v)
     }
 }

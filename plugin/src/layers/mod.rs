@@ -8,4 +8,3 @@ pub mod moe;
 pub mod norm;
 pub mod ops;
 pub mod rope;
-pub mod topk;

@@ -1,19 +1,19 @@
 //! The sparse MoE of every layer: softmax top-k routing over SwiGLU experts plus
 //! a sigmoid-gated shared expert.
 //!
-//! On the CPU the routing runs on the host and each chosen expert runs on its
-//! tokens: the exact f32 oracle of the reference. On a GPU the routing (fp32
-//! softmax, top-k, renormalisation, weights rounded to the activation dtype)
-//! runs on the device; in f16/bf16 the experts then run in the host's fused MoE
-//! kernels (two launches for all routed tokens, no host round trip), otherwise
-//! (f32, or sizes those kernels do not take) the top-k ids and weights are read
-//! back once and each chosen expert runs on its tokens as on the CPU.
+//! The routing (fp32 softmax, top-k with `torch.topk`'s order of exact ties,
+//! renormalisation, weights rounded to the activation dtype) is one kernel
+//! (`berrylm_kernels::moe_route`, one launch on CUDA). On CUDA in f16/bf16 the
+//! experts then run in the host's fused MoE kernels (two launches for all
+//! routed tokens, no host round trip); otherwise (the CPU, f32, or sizes those
+//! kernels do not take) the ids and weights are read back once and each chosen
+//! expert runs on its tokens: on the CPU in f32, the exact oracle of the
+//! reference.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
-use candle_nn::ops::softmax_last_dim;
 use mistralrs_core::layers::Activation;
 use mistralrs_core::plugin_api::{MoEExperts, MoEExpertsConfig};
 use mistralrs_quant::{Comm, Id, ShardedSafeTensors};
@@ -21,7 +21,6 @@ use mistralrs_quant::{Comm, Id, ShardedSafeTensors};
 use crate::config::BerryLmConfig;
 use crate::layers::linear::Linear;
 use crate::layers::ops::{sigmoid, silu};
-use crate::layers::topk::torch_top_k;
 use crate::weights::Weights;
 
 /// One SwiGLU expert: `down(silu(gate x) * up x)`.
@@ -142,78 +141,26 @@ impl SparseMoe {
         let (rows, seq_len, hidden) = x.dims3()?;
         let dtype = x.dtype();
         let flat = x.reshape((rows * seq_len, hidden))?;
-        let router_logits = self.router.forward(&flat)?;
-        let probs = softmax_last_dim(&router_logits.to_dtype(DType::F32)?)?;
-
+        let (weights, ids) = berrylm_kernels::moe_route(
+            &self.router.forward(&flat)?,
+            self.top_k,
+            self.norm_topk_prob,
+            dtype,
+        )?;
         let routed_out = match &self.experts {
-            Experts::Fused(experts) => {
-                let (weights, ids) = self.route_on_device(&probs, dtype)?;
-                // The host picks its kernels from the shape: `[B, 1, hidden]`
-                // decodes (GEMV / GEMM kernels), `T > 1` prefills (tensor cores).
-                experts
-                    .forward(&x.contiguous()?, weights, &ids)?
-                    .reshape((rows * seq_len, hidden))?
-            }
+            // The host picks its kernels from the shape: `[B, 1, hidden]`
+            // decodes (GEMV / GEMM kernels), `T > 1` prefills (tensor cores).
+            Experts::Fused(experts) => experts
+                .forward(&x.contiguous()?, weights, &ids)?
+                .reshape((rows * seq_len, hidden))?,
             Experts::PerExpert(experts) => {
-                let routed = if x.device().is_cpu() {
-                    self.route_on_host(&probs, experts.len())?
-                } else {
-                    let (weights, ids) = self.route_on_device(&probs, dtype)?;
-                    let mut routed: Routed = vec![(Vec::new(), Vec::new()); experts.len()];
-                    let ids: Vec<Vec<u32>> = ids.to_vec2()?;
-                    let weights: Vec<Vec<f32>> = weights.to_vec2()?;
-                    for (token, (token_ids, token_weights)) in ids.iter().zip(&weights).enumerate()
-                    {
-                        for (&expert, &weight) in token_ids.iter().zip(token_weights) {
-                            routed[expert as usize].0.push(token as u32);
-                            routed[expert as usize].1.push(weight);
-                        }
-                    }
-                    routed
-                };
-                run_experts(experts, &flat, routed)?
+                run_experts(experts, &flat, by_expert(&weights, &ids, experts.len())?)?
             }
         };
 
         let shared = self.shared_expert.forward(&flat)?;
         let shared_gate = sigmoid(&self.shared_expert_gate.forward(&flat)?)?;
         (routed_out + shared.broadcast_mul(&shared_gate)?)?.reshape((rows, seq_len, hidden))
-    }
-
-    /// Top-k of each row of `probs` `[N, experts]` (exact ties broken as
-    /// `torch.topk` breaks them), renormalised if configured, per expert.
-    fn route_on_host(&self, probs: &Tensor, experts: usize) -> Result<Routed> {
-        let probs: Vec<Vec<f32>> = probs.to_vec2()?;
-        let mut routed: Routed = vec![(Vec::new(), Vec::new()); experts];
-        for (token, row) in probs.iter().enumerate() {
-            let chosen = torch_top_k(row, self.top_k);
-            let total: f32 = chosen.iter().map(|&e| row[e]).sum();
-            for &expert in &chosen {
-                let weight = if self.norm_topk_prob {
-                    row[expert] / total
-                } else {
-                    row[expert]
-                };
-                routed[expert].0.push(token as u32);
-                routed[expert].1.push(weight);
-            }
-        }
-        Ok(routed)
-    }
-
-    /// Top-k of each row of `probs` `[N, experts]` on the device (the order of
-    /// exact ties is the sort's): weights `[N, k]` f32, renormalised if
-    /// configured and rounded to `dtype`, and expert ids `[N, k]` u32.
-    fn route_on_device(&self, probs: &Tensor, dtype: DType) -> Result<(Tensor, Tensor)> {
-        let ids = probs
-            .arg_sort_last_dim(false)?
-            .narrow(D::Minus1, 0, self.top_k)?
-            .contiguous()?;
-        let mut weights = probs.gather(&ids, D::Minus1)?;
-        if self.norm_topk_prob {
-            weights = weights.broadcast_div(&weights.sum_keepdim(D::Minus1)?)?;
-        }
-        Ok((weights.to_dtype(dtype)?.to_dtype(DType::F32)?, ids))
     }
 }
 
@@ -260,6 +207,20 @@ fn load_fused(
         Activation::Silu,
     )?;
     Ok(experts)
+}
+
+/// The routing `weights` / `ids` `[N, k]` regrouped per expert, in token order.
+fn by_expert(weights: &Tensor, ids: &Tensor, experts: usize) -> Result<Routed> {
+    let mut routed: Routed = vec![(Vec::new(), Vec::new()); experts];
+    let ids: Vec<Vec<u32>> = ids.to_vec2()?;
+    let weights: Vec<Vec<f32>> = weights.to_vec2()?;
+    for (token, (token_ids, token_weights)) in ids.iter().zip(&weights).enumerate() {
+        for (&expert, &weight) in token_ids.iter().zip(token_weights) {
+            routed[expert as usize].0.push(token as u32);
+            routed[expert as usize].1.push(weight);
+        }
+    }
+    Ok(routed)
 }
 
 /// Runs each expert on the tokens of `x` `[N, hidden]` routed to it and sums

@@ -1,6 +1,6 @@
 //! BerryLM's (1+w) RMSNorm, used for the layer norms, q/k norms and the final norm.
 
-use candle_core::{DType, Module, Result, Tensor, D};
+use candle_core::{DType, Module, Result, Tensor};
 
 use crate::weights::Weights;
 
@@ -27,10 +27,6 @@ impl OffsetRmsNorm {
 
 impl Module for OffsetRmsNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let dtype = x.dtype();
-        let x = x.to_dtype(DType::F32)?;
-        let mean_square = x.sqr()?.mean_keepdim(D::Minus1)?;
-        let normed = x.broadcast_div(&(mean_square + self.eps)?.sqrt()?)?;
-        normed.broadcast_mul(&self.scale)?.to_dtype(dtype)
+        Ok(berrylm_kernels::offset_rms_norm(x, &self.scale, self.eps)?)
     }
 }

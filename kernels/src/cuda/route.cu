@@ -1,0 +1,352 @@
+// MoE routing (spec 3.7 steps 1-2), one thread block per row of router
+// logits, one thread per expert (E <= 512):
+//   p   = softmax(logits)                 (f32)
+//   ids = torch.topk(p, k).indices        (PyTorch's CPU order, ties included)
+//   w   = round_w(renormalize ? p[ids] / sum(p[ids]) : p[ids])
+//
+// Softmax: block maximum (fmaxf, which skips NaN like the CPU's f32::max, so
+// it is exact), exp(x - max) evaluated in double and rounded once to f32
+// (correctly rounded in all but vanishingly rare cases; the CPU's glibc expf
+// is within 0.502 ulp, so the two differ by at most one ulp, and rarely),
+// block sum (lanes, then warps: another order than the CPU's), IEEE division.
+//
+// Top-k: each thread counts the probabilities ranked before its own under
+// PyTorch's comparator (NaN first, then larger) and the equal ones before
+// it; that rank (a stable descending sort) places the k first. When no two
+// of the k + 1 largest probabilities are equal (all k if k = E), this is the
+// unique answer and it is what torch.topk returns. Otherwise the order of
+// tied experts depends on how PyTorch's CPU kernel moves its (value, index)
+// pairs (libstdc++ nth_element + sort, or partial_sort when 64 k <= E, see
+// torch_top_k in src/route.rs), so one thread replays those algorithms on
+// the row in shared memory: the same comparisons, hence the same result.
+//
+// The renormalising sum adds the k chosen probabilities in their order from
+// 0 (as the CPU does); the weights are rounded to `weight_dtype` (RNE) and
+// stored as f32, the ids as u32.
+#include "common.cuh"
+
+namespace berrylm::route {
+
+constexpr int kMaxExperts = 512;  // must match MAX_MOE_EXPERTS in src/cuda/mod.rs
+constexpr int kMaxWarps = kMaxExperts / 32;
+// libstdc++'s _S_threshold: introsort leaves ranges of at most this many
+// entries to the final insertion sort.
+constexpr int kSortThreshold = 16;
+// Bound of the introsort's range stack: its entries have strictly decreasing
+// depth budgets, the first below 2 * floor(log2(kMaxExperts)) = 18.
+constexpr int kSortStack = 20;
+
+// PyTorch's top-k comparator: whether `a` is ranked before `b`.
+__device__ __forceinline__ bool before(float a, float b) {
+    return (isnan(a) && !isnan(b)) || a > b;
+}
+
+__device__ __forceinline__ int floor_log2(int n) { return 31 - __clz(n); }
+
+// The (value, index) pairs of PyTorch's top-k queue, in shared memory; the
+// replay of libstdc++'s algorithms below works on a range [first, last) of
+// them, exactly as the C++ iterators do.
+struct Queue {
+    float* value;
+    int* index;
+
+    __device__ bool before_at(int a, int b) const { return before(value[a], value[b]); }
+    __device__ void swap(int a, int b) const {
+        const float v = value[a];
+        value[a] = value[b];
+        value[b] = v;
+        const int i = index[a];
+        index[a] = index[b];
+        index[b] = i;
+    }
+    __device__ void copy(int to, int from) const {
+        value[to] = value[from];
+        index[to] = index[from];
+    }
+
+    // __adjust_heap on the heap [first, first + len): moves the hole down
+    // towards the child ranked last, then pushes (v, ix) up (__push_heap).
+    __device__ void adjust_heap(int first, int hole, int len, float v, int ix) const {
+        const int top = hole;
+        int child = hole;
+        while (child < (len - 1) / 2) {
+            child = 2 * (child + 1);
+            if (before_at(first + child, first + child - 1)) --child;
+            copy(first + hole, first + child);
+            hole = child;
+        }
+        if ((len & 1) == 0 && child == (len - 2) / 2) {
+            child = 2 * (child + 1);
+            copy(first + hole, first + child - 1);
+            hole = child - 1;
+        }
+        while (hole > top) {
+            const int parent = (hole - 1) / 2;
+            if (!before(value[first + parent], v)) break;
+            copy(first + hole, first + parent);
+            hole = parent;
+        }
+        value[first + hole] = v;
+        index[first + hole] = ix;
+    }
+
+    // __heap_select: the `middle - first` entries ranked first end up in
+    // [first, middle), as a heap whose top is the one ranked last.
+    __device__ void heap_select(int first, int middle, int last) const {
+        const int len = middle - first;
+        if (len >= 2) {  // __make_heap
+            for (int parent = (len - 2) / 2; parent >= 0; --parent) {
+                adjust_heap(first, parent, len, value[first + parent], index[first + parent]);
+            }
+        }
+        for (int i = middle; i < last; ++i) {
+            if (before_at(i, first)) {  // __pop_heap(first, middle, i)
+                const float v = value[i];
+                const int ix = index[i];
+                copy(i, first);
+                adjust_heap(first, 0, len, v, ix);
+            }
+        }
+    }
+
+    // __sort_heap of the heap [first, last).
+    __device__ void sort_heap(int first, int last) const {
+        while (last - first > 1) {
+            --last;
+            const float v = value[last];
+            const int ix = index[last];
+            copy(last, first);
+            adjust_heap(first, 0, last - first, v, ix);
+        }
+    }
+
+    // __unguarded_partition_pivot: the median of first + 1, the middle and
+    // last - 1 moves to first; returns where the second part starts.
+    __device__ int partition_pivot(int first, int last) const {
+        const int a = first + 1, mid = first + (last - first) / 2, c = last - 1;
+        int median;
+        if (before_at(a, mid)) {
+            median = before_at(mid, c) ? mid : before_at(a, c) ? c : a;
+        } else {
+            median = before_at(a, c) ? a : before_at(mid, c) ? c : mid;
+        }
+        swap(first, median);
+        const float pivot = value[first];
+        int low = first + 1, high = last;
+        while (true) {
+            while (before(value[low], pivot)) ++low;
+            --high;
+            while (before(pivot, value[high])) --high;
+            if (!(low < high)) return low;
+            swap(low, high);
+            ++low;
+        }
+    }
+
+    // __insertion_sort of [first, last) (stable).
+    __device__ void insertion_sort(int first, int last) const {
+        for (int i = first + 1; i < last; ++i) {
+            const float v = value[i];
+            const int ix = index[i];
+            int hole = i;
+            if (before(v, value[first])) {
+                for (; hole > first; --hole) copy(hole, hole - 1);
+            } else {
+                for (; before(v, value[hole - 1]); --hole) copy(hole, hole - 1);
+            }
+            value[hole] = v;
+            index[hole] = ix;
+        }
+    }
+
+    // __introselect: leaves at nth the entry a full sort would put there.
+    __device__ void introselect(int first, int nth, int last) const {
+        int depth_limit = 2 * floor_log2(last - first);
+        while (last - first > 3) {
+            if (depth_limit == 0) {
+                heap_select(first, nth + 1, last);
+                swap(first, nth);
+                return;
+            }
+            --depth_limit;
+            const int cut = partition_pivot(first, last);
+            if (cut <= nth) {
+                first = cut;
+            } else {
+                last = cut;
+            }
+        }
+        insertion_sort(first, last);
+    }
+
+    // std::sort of [first, last): __introsort_loop, then the final insertion
+    // sort. The loop's recursion on [cut, last) is replaced by a stack; the
+    // ranges it handles are disjoint, so the order they are handled in does
+    // not change the result.
+    __device__ void sort(int first, int last) const {
+        if (last - first < 2) return;
+        int stack_first[kSortStack], stack_last[kSortStack], stack_depth[kSortStack];
+        int top = 0;
+        stack_first[0] = first;
+        stack_last[0] = last;
+        stack_depth[0] = 2 * floor_log2(last - first);
+        ++top;
+        while (top > 0) {
+            --top;
+            const int lo = stack_first[top];
+            int hi = stack_last[top];
+            int depth_limit = stack_depth[top];
+            while (hi - lo > kSortThreshold) {
+                if (depth_limit == 0) {  // __partial_sort(lo, hi, hi)
+                    heap_select(lo, hi, hi);
+                    sort_heap(lo, hi);
+                    break;
+                }
+                --depth_limit;
+                const int cut = partition_pivot(lo, hi);
+                stack_first[top] = cut;
+                stack_last[top] = hi;
+                stack_depth[top] = depth_limit;
+                ++top;
+                hi = cut;
+            }
+        }
+        // __final_insertion_sort: libstdc++ splits it into a guarded sort of
+        // the first 16 and unguarded insertions after them; both place every
+        // entry after the last one not ranked after it, like one insertion
+        // sort of the whole range.
+        insertion_sort(first, last);
+    }
+
+    // torch.topk(largest=True, sorted=True) on n entries, as ATen's
+    // TopKImpl.h: the k chosen end up in [0, k), in PyTorch's order.
+    __device__ void torch_top_k(int n, int k) const {
+        if (k * 64 <= n) {
+            heap_select(0, k, n);
+            sort_heap(0, k);
+        } else {
+            introselect(0, k - 1, n);
+            sort(0, k - 1);
+        }
+    }
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kMaxExperts)
+    moe_route_kernel(const T* __restrict__ logits, float* __restrict__ weights,
+                     unsigned int* __restrict__ ids, int experts, int top_k, int renormalize,
+                     int weight_dtype) {
+    __shared__ float prob[kMaxExperts];
+    __shared__ int order[kMaxExperts];
+    __shared__ float top_prob[kMaxExperts];
+    __shared__ int top_id[kMaxExperts];
+    __shared__ float partial[kMaxWarps];
+    __shared__ float total;
+    __shared__ int tied;
+    const int t = threadIdx.x;
+    const int lane = t & 31;
+    const int warp = t >> 5;
+    const int warps = blockDim.x >> 5;
+    const long long row = blockIdx.x;
+    const bool owner = t < experts;
+
+    const float logit = owner ? berrylm::to_f32(logits[row * experts + t]) : -INFINITY;
+    float m = berrylm::warp_max(logit);
+    if (lane == 0) partial[warp] = m;
+    if (t == 0) tied = 0;
+    __syncthreads();
+    m = partial[0];
+    for (int w = 1; w < warps; ++w) m = fmaxf(m, partial[w]);
+    __syncthreads();
+    const float e =
+        owner ? static_cast<float>(exp(static_cast<double>(__fsub_rn(logit, m)))) : 0.0f;
+    float sum = berrylm::warp_sum(e);
+    if (lane == 0) partial[warp] = sum;
+    __syncthreads();
+    sum = 0.0f;
+    for (int w = 0; w < warps; ++w) sum = __fadd_rn(sum, partial[w]);
+    const float p = __fdiv_rn(e, sum);
+    if (owner) prob[t] = p;
+    __syncthreads();
+
+    if (owner) {
+        int ranked_before = 0, equal_before = 0, equal_after = 0;
+        for (int j = 0; j < experts; ++j) {
+            const float q = prob[j];
+            if (before(q, p)) {
+                ++ranked_before;
+            } else if (!before(p, q) && j != t) {
+                if (j < t) {
+                    ++equal_before;
+                } else {
+                    ++equal_after;
+                }
+            }
+        }
+        const int rank = ranked_before + equal_before;
+        if (rank < top_k) {
+            top_prob[rank] = p;
+            top_id[rank] = t;
+        }
+        // A tie among the k + 1 largest (every tie when k = E).
+        if (ranked_before < top_k && equal_before + equal_after > 0) tied = 1;
+    }
+    __syncthreads();
+    if (tied) {  // uniform over the block
+        if (owner) order[t] = t;
+        __syncthreads();
+        if (t == 0) {
+            const Queue queue{prob, order};
+            queue.torch_top_k(experts, top_k);
+            for (int r = 0; r < top_k; ++r) {
+                top_prob[r] = prob[r];
+                top_id[r] = order[r];
+            }
+        }
+        __syncthreads();
+    }
+    if (t == 0) {
+        float chosen_sum = 0.0f;
+        if (renormalize) {
+            for (int r = 0; r < top_k; ++r) chosen_sum = __fadd_rn(chosen_sum, top_prob[r]);
+        }
+        total = chosen_sum;
+    }
+    __syncthreads();
+    for (int r = t; r < top_k; r += blockDim.x) {
+        float w = renormalize ? __fdiv_rn(top_prob[r], total) : top_prob[r];
+        if (weight_dtype == berrylm::kBF16) {
+            w = berrylm::round_to<__nv_bfloat16>(w);
+        } else if (weight_dtype == berrylm::kF16) {
+            w = berrylm::round_to<__half>(w);
+        }
+        weights[row * top_k + r] = w;
+        ids[row * top_k + r] = static_cast<unsigned int>(top_id[r]);
+    }
+}
+
+}  // namespace berrylm::route
+
+using namespace berrylm::route;
+
+// `weight_dtype` is the dtype the weights are rounded to (they are stored as
+// f32); 1 <= top_k <= experts <= kMaxExperts.
+extern "C" int berrylm_moe_route(int logits_dtype, const void* logits, float* weights,
+                                 unsigned int* ids, long long rows, int experts, int top_k,
+                                 int renormalize, int weight_dtype, void* stream) {
+    if (rows == 0) return 0;
+    if (experts < 1 || experts > kMaxExperts || top_k < 1 || top_k > experts ||
+        rows > 0x7fffffffll ||
+        (weight_dtype != berrylm::kF32 && weight_dtype != berrylm::kBF16 &&
+         weight_dtype != berrylm::kF16)) {
+        return static_cast<int>(cudaErrorInvalidValue);
+    }
+    const int threads = (experts + 31) / 32 * 32;
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    BERRYLM_DISPATCH_DTYPE(logits_dtype, T, {
+        moe_route_kernel<T><<<static_cast<unsigned int>(rows), threads, 0, s>>>(
+            static_cast<const T*>(logits), weights, ids, experts, top_k, renormalize,
+            weight_dtype);
+    });
+    return berrylm::launch_status();
+}
