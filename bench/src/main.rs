@@ -307,24 +307,27 @@ impl Bench<'_> {
              KV read, at the copy bandwidth, experts assuming uniform routing)"
         );
         println!(
-            "| batch | ms/step (mean) | ms/step (median) | tokens/s | weights read MiB | state MiB | \
-             floor ms | floor / measured |"
+            "| batch | ms/step (mean) | ms/step (median) | CPU dispatch ms/step | tokens/s | \
+             weights read MiB | state MiB | floor ms | floor / measured |"
         );
-        println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
+        println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
         let mut figures = Vec::new();
         for &batch in &args.decode {
             match measure::decode(model, batch, context, warmup, steps, args.seed) {
-                Ok(seconds) => {
+                Ok(times) => {
+                    let seconds = &times.total;
                     let step_ms: Vec<f64> = seconds.iter().map(|s| s * 1e3).collect();
-                    let (mean_s, median_s) = (mean(&seconds), median(&seconds));
+                    let (mean_s, median_s) = (mean(seconds), median(seconds));
+                    let dispatch_s = mean(&times.dispatch);
                     let bytes = self.step_bytes(batch, context + warmup + steps / 2);
                     let floor = self
                         .bandwidth
                         .map(|bw| (bytes.weights() + bytes.state) / bw);
                     println!(
-                        "| {batch} | {} | {} | {} | {:.1} | {:.1} | {} | {} |",
+                        "| {batch} | {} | {} | {} | {} | {:.1} | {:.1} | {} | {} |",
                         num(mean_s * 1e3),
                         num(median_s * 1e3),
+                        num(dispatch_s * 1e3),
                         num(batch as f64 / mean_s),
                         bytes.weights() / MIB,
                         bytes.state / MIB,
@@ -339,6 +342,7 @@ impl Bench<'_> {
                         "step_ms": step_ms,
                         "ms_per_step": mean_s * 1e3,
                         "median_ms_per_step": median_s * 1e3,
+                        "cpu_dispatch_ms_per_step": dispatch_s * 1e3,
                         "tokens_per_s": batch as f64 / mean_s,
                         "floor": {
                             "weight_bytes": bytes.weights(),
@@ -348,7 +352,7 @@ impl Bench<'_> {
                     }));
                 }
                 Err(error) => {
-                    println!("| {batch} | failed | | | | | | |");
+                    println!("| {batch} | failed | | | | | | | |");
                     figures.push(self.failed(format!("decode batch {batch}: {error:#}")));
                 }
             }

@@ -88,8 +88,17 @@ pub fn prefill(model: &BerryLm, tokens: usize, repeats: usize, seed: u64) -> Res
     Ok(seconds)
 }
 
+/// Seconds of each timed decode step: until its results are on the device
+/// (`total`), and until the forward call returned to the CPU with every
+/// kernel queued (`dispatch`). A `dispatch` close to `total` means the step is
+/// bound by the CPU's dispatch (or waits inside the forward), not by the GPU.
+pub struct StepTimes {
+    pub total: Vec<f64>,
+    pub dispatch: Vec<f64>,
+}
+
 /// Decoding at `batch` sequences: a prefill of `context` tokens per sequence,
-/// `warmup` untimed steps, then `steps` timed steps; seconds of each timed step.
+/// `warmup` untimed steps, then `steps` timed steps.
 pub fn decode(
     model: &BerryLm,
     batch: usize,
@@ -97,7 +106,7 @@ pub fn decode(
     warmup: usize,
     steps: usize,
     seed: u64,
-) -> Result<Vec<f64>> {
+) -> Result<StepTimes> {
     let device = model.device();
     let vocab = model.config().vocab_size;
     let mut driver = Driver::new(model, batch)?;
@@ -107,22 +116,27 @@ pub fn decode(
     let chunks: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
     check_logits(&driver.step_last(&chunks)?, batch)?;
     let next = token_ids(batch * (warmup + steps), vocab, seed.wrapping_add(7));
-    let mut seconds = Vec::with_capacity(steps);
+    let mut times = StepTimes {
+        total: Vec::with_capacity(steps),
+        dispatch: Vec::with_capacity(steps),
+    };
     for (step, tokens) in next.chunks(batch).enumerate() {
         let rows: Vec<&[u32]> = tokens.chunks(1).collect();
         device.synchronize()?;
         let start = Instant::now();
         let logits = driver.step_last(&rows)?;
+        let dispatched = start.elapsed().as_secs_f64();
         device.synchronize()?;
         let elapsed = start.elapsed().as_secs_f64();
         if step >= warmup {
-            seconds.push(elapsed);
+            times.total.push(elapsed);
+            times.dispatch.push(dispatched);
         }
         if step + 1 == warmup + steps {
             check_logits(&logits, batch)?;
         }
     }
-    Ok(seconds)
+    Ok(times)
 }
 
 /// A benchmark whose logits are NaN or of the wrong shape measured nothing.

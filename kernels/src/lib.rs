@@ -7,6 +7,8 @@
 //! | [`causal_conv1d`] | 3.6 step 4, 4 | depthwise causal short convolution + SiLU, with a carried state of `K` columns |
 //! | [`kda_recurrence`] | 3.6 step 6 | the KDA delta-rule recurrence with per-key-channel decay |
 //! | [`kda_recurrence_with`] | 3.6 step 6 | the same, with an explicit [`KdaPrefillAlgorithm`] for CUDA prefill |
+//! | [`kda_recurrence_in_pool`] | 3.6 step 6 | the same for sequences whose states are rows of an `f32` state pool, updated in place by slot |
+//! | [`kda_recurrence_in_pool_with`] | 3.6 step 6 | the same, with an explicit [`KdaPrefillAlgorithm`] for CUDA prefill |
 //! | [`attn_res_mix`] | 3.4 | gated block AttnRes: depth softmax over committed streams and the current stream |
 //! | [`gated_rms_norm`] | 3.1 | RMSNorm before a SiLU gate (the KDA output norm) |
 //! | [`offset_rms_norm`] | 3.1 | the `(1 + w)` RMSNorm of the layer, q/k and final norms |
@@ -47,7 +49,10 @@ pub use attn_res::attn_res_mix;
 pub use conv::causal_conv1d;
 pub use gate::kda_gate;
 pub use norm::{gated_rms_norm, offset_rms_norm};
-pub use recurrence::{kda_recurrence, kda_recurrence_with, KdaPrefillAlgorithm};
+pub use recurrence::{
+    kda_recurrence, kda_recurrence_in_pool, kda_recurrence_in_pool_with, kda_recurrence_with,
+    KdaPrefillAlgorithm,
+};
 pub use route::moe_route;
 
 /// Errors returned by the kernels of this crate.

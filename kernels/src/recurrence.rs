@@ -83,13 +83,17 @@ pub fn kda_recurrence(
     beta: &Tensor,
     state: &Tensor,
 ) -> Result<(Tensor, Tensor)> {
+    kda_recurrence_with(default_algorithm(q), q, k, v, g, beta, state)
+}
+
+/// The prefill algorithm [`kda_recurrence`] uses for queries `q`.
+fn default_algorithm(q: &Tensor) -> KdaPrefillAlgorithm {
     let seq_len = q.dims().get(1).copied().unwrap_or(0);
-    let algorithm = if seq_len >= CHUNKED_PREFILL_MIN_LEN {
+    if seq_len >= CHUNKED_PREFILL_MIN_LEN {
         KdaPrefillAlgorithm::Chunked
     } else {
         KdaPrefillAlgorithm::Sequential
-    };
-    kda_recurrence_with(algorithm, q, k, v, g, beta, state)
+    }
 }
 
 /// [`kda_recurrence`] with an explicit prefill algorithm.
@@ -138,6 +142,203 @@ pub fn kda_recurrence_with(
     }
 }
 
+const POOL_OP: &str = "kda_recurrence_in_pool";
+
+/// The recurrence of [`kda_recurrence`] for `B` sequences whose states are
+/// rows `slots[b]` of `pool`, updated in place.
+///
+/// * `q`, `k`, `v`, `g`, `beta`: as for [`kda_recurrence`] (same shapes,
+///   dtypes, validation and arithmetic; the prefill algorithm is chosen by
+///   `T` the same way).
+/// * `pool`: `[S, Hv, dk, dv]`, `f32`, contiguous (a view at an offset is
+///   fine); row `s` is the state of whichever sequence owns slot `s`.
+/// * `slots`: `[B]`, `u32`, on the device of the other tensors: the pool row
+///   of each sequence. The kernels read it on the device.
+/// * `host_slots`: the same `B` slots on the host, where they are validated:
+///   each `< S`, all distinct. Taking them from the caller (who chose the
+///   slots on the host anyway) validates them without copying `slots` back
+///   from the GPU, which would stall candle's stream.
+///
+/// Before returning, row `slots[b]` of `pool` holds the final state that
+/// [`kda_recurrence`] returns for sequence `b` started from that row (bit
+/// for bit on the CPU and with the same CUDA kernels); no other row is
+/// written. The write goes into the pool's storage, so every tensor sharing
+/// it sees the new states. Returns the output `[B, T, Hv, dv]` (`f32`).
+///
+/// On the CPU, `slots` must equal `host_slots` (checked). On CUDA they are
+/// not compared (that would need the copy back); the kernels leave a
+/// sequence whose `slots` entry is `>= S` alone, so a disagreeing `slots`
+/// can leave outputs unspecified but never writes outside the pool. No
+/// input may share storage with `pool`.
+// The signature is the contract of the host's state pool: five token inputs,
+// the pool and its slots on both sides.
+#[allow(clippy::too_many_arguments)]
+pub fn kda_recurrence_in_pool(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    pool: &Tensor,
+    slots: &Tensor,
+    host_slots: &[u32],
+) -> Result<Tensor> {
+    kda_recurrence_in_pool_with(
+        default_algorithm(q),
+        q,
+        k,
+        v,
+        g,
+        beta,
+        pool,
+        slots,
+        host_slots,
+    )
+}
+
+/// [`kda_recurrence_in_pool`] with an explicit prefill algorithm (as
+/// [`kda_recurrence_with`] is to [`kda_recurrence`]).
+#[allow(clippy::too_many_arguments)]
+pub fn kda_recurrence_in_pool_with(
+    algorithm: KdaPrefillAlgorithm,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    pool: &Tensor,
+    slots: &Tensor,
+    host_slots: &[u32],
+) -> Result<Tensor> {
+    let dims = validate_tokens(POOL_OP, q, k, v, g, beta)?;
+    let pool_rows = validate_pool(pool, &dims)?;
+    validate_slots(slots, host_slots, pool_rows, &dims)?;
+    for (arg, tensor) in [("pool", pool), ("slots", slots)] {
+        expect_device(POOL_OP, arg, tensor, q.device())?;
+    }
+    match q.device() {
+        Device::Cpu => {
+            // One reference for both algorithms (the choice is CUDA-only).
+            let _ = algorithm;
+            let cpu_slots = slots.to_vec1::<u32>()?;
+            if cpu_slots != host_slots {
+                return Err(invalid_argument(
+                    POOL_OP,
+                    "slots",
+                    format!("values {cpu_slots:?} differ from `host_slots` {host_slots:?}"),
+                ));
+            }
+            let state = pool.index_select(slots, 0)?;
+            let (output, final_state) = cpu_kda_recurrence(q, k, v, g, beta, &state, &dims)?;
+            for (row, &slot) in host_slots.iter().enumerate() {
+                pool.slice_set(&final_state.narrow(0, row, 1)?, 0, slot as usize)?;
+            }
+            Ok(output)
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => crate::cuda::kda_recurrence_in_pool(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            pool,
+            slots,
+            pool_rows,
+            &crate::cuda::RecurrenceParams {
+                algorithm,
+                batch: dims.batch,
+                seq_len: dims.seq_len,
+                key_heads: dims.key_heads,
+                value_heads: dims.value_heads,
+                key_dim: dims.key_dim,
+                value_dim: dims.value_dim,
+            },
+        ),
+        other => Err(unsupported_device(POOL_OP, other)),
+    }
+}
+
+/// Validates the state pool of [`kda_recurrence_in_pool`] and returns its
+/// row count `S`.
+fn validate_pool(pool: &Tensor, dims: &RecurrenceDims) -> Result<usize> {
+    if pool.dtype() != DType::F32 {
+        return Err(invalid_argument(
+            POOL_OP,
+            "pool",
+            format!("dtype {:?}, expected f32", pool.dtype()),
+        ));
+    }
+    let [rows, value_heads, key_dim, value_dim] = float_dims::<4>(POOL_OP, "pool", pool)?;
+    let expected = [dims.value_heads, dims.key_dim, dims.value_dim];
+    if [value_heads, key_dim, value_dim] != expected {
+        return Err(invalid_argument(
+            POOL_OP,
+            "pool",
+            format!(
+                "shape {:?}, expected [S, Hv, dk, dv] with [Hv, dk, dv] = {expected:?}",
+                pool.dims()
+            ),
+        ));
+    }
+    if !pool.is_contiguous() {
+        return Err(invalid_argument(
+            POOL_OP,
+            "pool",
+            "must be contiguous (it is updated in place)".to_string(),
+        ));
+    }
+    Ok(rows)
+}
+
+/// Validates the slots of [`kda_recurrence_in_pool`]: `slots` a `u32`
+/// tensor `[B]`, `host_slots` `B` distinct values below `pool_rows`.
+fn validate_slots(
+    slots: &Tensor,
+    host_slots: &[u32],
+    pool_rows: usize,
+    dims: &RecurrenceDims,
+) -> Result<()> {
+    if slots.dtype() != DType::U32 {
+        return Err(invalid_argument(
+            POOL_OP,
+            "slots",
+            format!("dtype {:?}, expected u32", slots.dtype()),
+        ));
+    }
+    if slots.dims() != [dims.batch] {
+        return Err(invalid_argument(
+            POOL_OP,
+            "slots",
+            format!("shape {:?}, expected [B] = [{}]", slots.dims(), dims.batch),
+        ));
+    }
+    expect_dim(
+        POOL_OP,
+        "host_slots",
+        "length",
+        host_slots.len(),
+        dims.batch,
+    )?;
+    if let Some(&slot) = host_slots.iter().find(|&&slot| slot as usize >= pool_rows) {
+        return Err(invalid_argument(
+            POOL_OP,
+            "host_slots",
+            format!("slot {slot} is out of range for a pool of {pool_rows} rows"),
+        ));
+    }
+    let mut sorted = host_slots.to_vec();
+    sorted.sort_unstable();
+    if let Some(pair) = sorted.windows(2).find(|pair| pair[0] == pair[1]) {
+        return Err(invalid_argument(
+            POOL_OP,
+            "host_slots",
+            format!("slot {} appears more than once", pair[0]),
+        ));
+    }
+    Ok(())
+}
+
 fn validate(
     q: &Tensor,
     k: &Tensor,
@@ -146,16 +347,39 @@ fn validate(
     beta: &Tensor,
     state: &Tensor,
 ) -> Result<RecurrenceDims> {
-    let [batch, seq_len, key_heads, key_dim] = float_dims::<4>(OP, "q", q)?;
-    let k_dims = float_dims::<4>(OP, "k", k)?;
-    let [v_batch, v_seq_len, value_heads, value_dim] = float_dims::<4>(OP, "v", v)?;
-    let g_dims = float_dims::<4>(OP, "g", g)?;
-    let [beta_batch, beta_seq_len, beta_heads] = float_dims::<3>(OP, "beta", beta)?;
+    let dims = validate_tokens(OP, q, k, v, g, beta)?;
     let state_dims = float_dims::<4>(OP, "state", state)?;
+    let expected_state = [dims.batch, dims.value_heads, dims.key_dim, dims.value_dim];
+    if state_dims != expected_state {
+        return Err(invalid_argument(
+            OP,
+            "state",
+            format!("shape {state_dims:?}, expected [B, Hv, dk, dv] = {expected_state:?}"),
+        ));
+    }
+    expect_device(OP, "state", state, q.device())?;
+    Ok(dims)
+}
+
+/// Validates the per-token inputs `q`, `k`, `v`, `g`, `beta` of a
+/// recurrence call of `op` and returns its sizes.
+fn validate_tokens(
+    op: &'static str,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+) -> Result<RecurrenceDims> {
+    let [batch, seq_len, key_heads, key_dim] = float_dims::<4>(op, "q", q)?;
+    let k_dims = float_dims::<4>(op, "k", k)?;
+    let [v_batch, v_seq_len, value_heads, value_dim] = float_dims::<4>(op, "v", v)?;
+    let g_dims = float_dims::<4>(op, "g", g)?;
+    let [beta_batch, beta_seq_len, beta_heads] = float_dims::<3>(op, "beta", beta)?;
 
     if k_dims != [batch, seq_len, key_heads, key_dim] {
         return Err(invalid_argument(
-            OP,
+            op,
             "k",
             format!(
                 "shape {k_dims:?} differs from the shape of `q` {:?}",
@@ -170,7 +394,7 @@ fn validate(
     ] {
         if size == 0 {
             return Err(invalid_argument(
-                OP,
+                op,
                 arg,
                 format!("{what} must be positive"),
             ));
@@ -178,19 +402,19 @@ fn validate(
     }
     if value_heads == 0 || value_heads % key_heads != 0 {
         return Err(invalid_argument(
-            OP,
+            op,
             "v",
             format!(
                 "value head count (dim 2) {value_heads} must be a positive multiple of the key head count {key_heads}"
             ),
         ));
     }
-    expect_dim(OP, "v", "batch size (dim 0)", v_batch, batch)?;
-    expect_dim(OP, "v", "sequence length (dim 1)", v_seq_len, seq_len)?;
+    expect_dim(op, "v", "batch size (dim 0)", v_batch, batch)?;
+    expect_dim(op, "v", "sequence length (dim 1)", v_seq_len, seq_len)?;
     let expected_g = [batch, seq_len, value_heads, key_dim];
     if g_dims != expected_g {
         return Err(invalid_argument(
-            OP,
+            op,
             "g",
             format!("shape {g_dims:?}, expected [B, T, Hv, dk] = {expected_g:?}"),
         ));
@@ -198,7 +422,7 @@ fn validate(
     let expected_beta = [batch, seq_len, value_heads];
     if [beta_batch, beta_seq_len, beta_heads] != expected_beta {
         return Err(invalid_argument(
-            OP,
+            op,
             "beta",
             format!(
                 "shape {:?}, expected [B, T, Hv] = {expected_beta:?}",
@@ -206,23 +430,9 @@ fn validate(
             ),
         ));
     }
-    let expected_state = [batch, value_heads, key_dim, value_dim];
-    if state_dims != expected_state {
-        return Err(invalid_argument(
-            OP,
-            "state",
-            format!("shape {state_dims:?}, expected [B, Hv, dk, dv] = {expected_state:?}"),
-        ));
-    }
     let device = q.device();
-    for (arg, tensor) in [
-        ("k", k),
-        ("v", v),
-        ("g", g),
-        ("beta", beta),
-        ("state", state),
-    ] {
-        expect_device(OP, arg, tensor, device)?;
+    for (arg, tensor) in [("k", k), ("v", v), ("g", g), ("beta", beta)] {
+        expect_device(op, arg, tensor, device)?;
     }
     Ok(RecurrenceDims {
         batch,

@@ -14,8 +14,8 @@
 mod common;
 
 use berrylm_kernels::{
-    attn_res_mix, causal_conv1d, gated_rms_norm, kda_gate, kda_recurrence, kda_recurrence_with,
-    moe_route, offset_rms_norm, KdaPrefillAlgorithm, KernelError, Result,
+    attn_res_mix, causal_conv1d, gated_rms_norm, kda_gate, kda_recurrence, kda_recurrence_in_pool,
+    kda_recurrence_with, moe_route, offset_rms_norm, KdaPrefillAlgorithm, KernelError, Result,
 };
 use std::sync::OnceLock;
 
@@ -725,6 +725,151 @@ fn recurrence_widens_mixed_dtypes() -> Result<()> {
         )?;
     }
     Ok(())
+}
+
+// -------------------------------------------------- kda_recurrence_in_pool
+
+/// Rows of the state pool in the pool tests (more than the largest batch).
+const POOL_ROWS: usize = 80;
+
+/// `batch` distinct slots of a pool of `rows`, scattered and out of order
+/// (the start of a random permutation).
+fn scattered_slots(rng: &mut Rng, batch: usize, rows: usize) -> Vec<u32> {
+    let mut all: Vec<u32> = (0..rows as u32).collect();
+    for i in (1..rows).rev() {
+        let j = ((rng.uniform(0.0, 1.0) * (i + 1) as f32) as usize).min(i);
+        all.swap(i, j);
+    }
+    all.truncate(batch);
+    all
+}
+
+/// Rows `slots` of `pool`, in that order, on the pool's device.
+fn pool_rows(pool: &Tensor, slots: &[u32]) -> Result<Tensor> {
+    let ids = Tensor::new(slots, pool.device())?;
+    Ok(pool.index_select(&ids, 0)?)
+}
+
+/// One `kda_recurrence_in_pool` call on a pool of [`POOL_ROWS`] random
+/// states, on both devices. The CUDA output and the rows at `slots` are
+/// compared with the CPU reference under `rec_step`'s tolerances (`TIGHT`
+/// for the sequential kernels, agreement up to summation order;
+/// `CHUNKED_TF32` when the chunked tensor-core prefill runs, whose bound is
+/// derived at that constant); every other row must be untouched bit for
+/// bit; and the CUDA results must equal bit for bit those of
+/// `kda_recurrence` on the gathered rows, which runs the same kernels.
+fn pool_case(seed: u64, s: RecSizes, qkv: DType) -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng::new(seed);
+    let slots = scattered_slots(&mut rng, s.batch, POOL_ROWS);
+    let pool = random(
+        &mut rng,
+        &[POOL_ROWS, s.hv, s.dk, s.dv],
+        -0.5,
+        0.5,
+        DType::F32,
+    )?;
+    let inputs = rec_inputs(&mut rng, s, qkv, -1.0)?;
+    let what = format!(
+        "kda_recurrence_in_pool B={} T={} {qkv:?} slots {:?}",
+        s.batch,
+        s.seq_len,
+        &slots[..slots.len().min(4)]
+    );
+
+    let pool_cpu = pool.copy()?;
+    let o_cpu = kda_recurrence_in_pool(
+        &inputs.q,
+        &inputs.k,
+        &inputs.v,
+        &inputs.g,
+        &inputs.beta,
+        &pool_cpu,
+        &Tensor::new(slots.as_slice(), &Device::Cpu)?,
+        &slots,
+    )?;
+
+    let [q, k, v, g, beta] = [&inputs.q, &inputs.k, &inputs.v, &inputs.g, &inputs.beta]
+        .map(|t| to_gpu(t, &dev).expect("copy to the GPU"));
+    let pool_gpu = to_gpu(&pool, &dev)?;
+    let (o_gathered, s_gathered) =
+        kda_recurrence(&q, &k, &v, &g, &beta, &pool_rows(&pool_gpu, &slots)?)?;
+    let o_gpu = kda_recurrence_in_pool(
+        &q,
+        &k,
+        &v,
+        &g,
+        &beta,
+        &pool_gpu,
+        &Tensor::new(slots.as_slice(), &dev)?,
+        &slots,
+    )?;
+
+    let tensor_cores = s.seq_len >= 64;
+    let tol = if tensor_cores { CHUNKED_TF32 } else { TIGHT };
+    compare(&format!("{what} output"), &o_gpu, &o_cpu, tol)?;
+    compare(
+        &format!("{what} state rows"),
+        &pool_rows(&pool_gpu, &slots)?,
+        &pool_rows(&pool_cpu, &slots)?,
+        tol,
+    )?;
+    let others: Vec<u32> = (0..POOL_ROWS as u32)
+        .filter(|row| !slots.contains(row))
+        .collect();
+    identical(
+        &format!("{what} other rows"),
+        &pool_rows(&pool_gpu, &others)?,
+        &pool_rows(&pool, &others)?,
+    )?;
+    identical(
+        &format!("{what} output vs kda_recurrence"),
+        &o_gpu,
+        &o_gathered.to_device(&Device::Cpu)?,
+    )?;
+    identical(
+        &format!("{what} state rows vs kda_recurrence"),
+        &pool_rows(&pool_gpu, &slots)?,
+        &s_gathered.to_device(&Device::Cpu)?,
+    )?;
+    Ok(())
+}
+
+/// Decode (T = 1: the `rows` kernel from B * Hv >= 128, i.e. B >= 4 here,
+/// else `tiles`) and a short prefill (T = 3: `tiles`) in the pool.
+#[test]
+fn recurrence_in_pool_matches_cpu_at_model_shapes() -> Result<()> {
+    let mut seed = 900;
+    for batch in [1, 8, 64] {
+        for seq_len in [1, 3] {
+            for qkv in [DType::F32, DType::BF16] {
+                seed += 1;
+                pool_case(seed, model(batch, seq_len), qkv)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A prefill of 64 tokens continuing pooled states: the chunked kernels.
+#[test]
+fn recurrence_in_pool_chunked_prefill() -> Result<()> {
+    pool_case(950, model(8, 64), DType::BF16)
+}
+
+/// Odd head sizes (the `tiles` kernel with partial tiles and rows) in the pool.
+#[test]
+fn recurrence_in_pool_matches_cpu_at_odd_shapes() -> Result<()> {
+    let s = |seq_len| RecSizes {
+        batch: 5,
+        seq_len,
+        hk: 3,
+        hv: 3,
+        dk: 65,
+        dv: 33,
+    };
+    pool_case(960, s(1), DType::F16)?;
+    pool_case(961, s(5), DType::F32)
 }
 
 // ------------------------------------------------------------ attn_res_mix

@@ -11,7 +11,7 @@ use mistralrs_core::plugin_api::{
 use crate::config::{BerryLmConfig, LayerKind};
 use crate::layers::attention::{AttentionKv, GatedAttention};
 use crate::layers::attn_res::AttnRes;
-use crate::layers::kda::{Kda, KdaState};
+use crate::layers::kda::{Kda, KdaState, PoolRows};
 use crate::layers::linear::Linear;
 use crate::layers::moe::SparseMoe;
 use crate::layers::norm::OffsetRmsNorm;
@@ -338,11 +338,14 @@ fn run_kda(
     let out = if all_full {
         let mut state = KdaState {
             conv: pool.gather_conv_state(indices)?,
-            recurrent: pool.gather_recurrent_state(indices)?,
+            recurrent: PoolRows {
+                states: &pool.recurrent_state,
+                slots: indices,
+                host_slots: slots,
+            },
         };
         let out = kda.forward(normed, &mut state)?;
         write_slots(&pool.conv_state, slots, &state.conv)?;
-        write_slots(&pool.recurrent_state, slots, &state.recurrent)?;
         out
     } else {
         // Padded rows: run each sequence on its real tokens only, so padding
@@ -352,12 +355,15 @@ fn run_kda(
             let index = Tensor::new(&[slot], pool.device())?;
             let mut state = KdaState {
                 conv: pool.gather_conv_state(&index)?,
-                recurrent: pool.gather_recurrent_state(&index)?,
+                recurrent: PoolRows {
+                    states: &pool.recurrent_state,
+                    slots: &index,
+                    host_slots: &[slot],
+                },
             };
             let row_input = normed.i((row..row + 1, ..count))?;
             let row_out = kda.forward(&row_input, &mut state)?;
             write_slots(&pool.conv_state, &[slot], &state.conv)?;
-            write_slots(&pool.recurrent_state, &[slot], &state.recurrent)?;
             outputs.push(if count < seq_len {
                 row_out.pad_with_zeros(1, 0, seq_len - count)?
             } else {

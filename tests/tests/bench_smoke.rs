@@ -94,6 +94,9 @@ fn tiny_cpu_run_reports_every_requested_figure() -> Result<()> {
         let ms = positive(&figure["ms_per_step"], "decode ms_per_step");
         let rate = positive(&figure["tokens_per_s"], "decode tokens_per_s");
         assert!((rate * ms / 1e3 - batch as f64).abs() < 1e-6 * batch as f64);
+        // Queuing a step's work cannot take longer than the step itself.
+        let dispatch = positive(&figure["cpu_dispatch_ms_per_step"], "decode dispatch");
+        assert!(dispatch <= ms, "dispatch {dispatch} ms of a {ms} ms step");
         positive(&figure["floor"]["ms_per_step"], "decode floor");
     }
 

@@ -430,7 +430,9 @@ __global__ void __launch_bounds__(kStateThreads)
 
     // The state tile: rows c = 32 warp + 16 mt + g8 (+8), columns
     // 8 nt + 2 t4 (+1), in C-fragment order.
-    const long long state_base = (static_cast<long long>(b) * hv + h) * dk * dv;
+    const long long row = state_row(args, b);
+    if (row < 0) return;  // the whole block: before any barrier or cp.async
+    const long long state_base = (row * hv + h) * dk * dv;
     float s[2][4][4];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {

@@ -16,7 +16,7 @@ use candle_core::cuda_backend::cudarc::driver::{
 };
 use candle_core::cuda_backend::CudaStorageSlice;
 use candle_core::op::BackpropOp;
-use candle_core::{CudaDevice, CudaStorage, DType, Layout, Shape, Storage, Tensor};
+use candle_core::{CudaDevice, CudaStorage, DType, InplaceOp1, Layout, Shape, Storage, Tensor};
 
 use crate::{invalid_argument, KdaPrefillAlgorithm, KernelError, Result};
 
@@ -82,6 +82,27 @@ extern "C" {
         state_in: *const f32,
         out: *mut f32,
         state_out: *mut f32,
+        batch: c_int,
+        seq_len: c_int,
+        key_heads: c_int,
+        value_heads: c_int,
+        key_dim: c_int,
+        value_dim: c_int,
+        prefill_algorithm: c_int,
+        stream: *mut c_void,
+    ) -> c_int;
+
+    fn berrylm_kda_recurrence_in_pool(
+        qkv_dtype: c_int,
+        q: *const c_void,
+        k: *const c_void,
+        v: *const c_void,
+        g: *const f32,
+        beta: *const f32,
+        pool: *mut f32,
+        slots: *const u32,
+        pool_rows: c_int,
+        out: *mut f32,
         batch: c_int,
         seq_len: c_int,
         key_heads: c_int,
@@ -270,6 +291,10 @@ fn input_ptr<'a>(
             let (p, g) = s.device_ptr(stream);
             (p, g, 2)
         }
+        CudaStorageSlice::U32(s) => {
+            let (p, g) = s.device_ptr(stream);
+            (p, g, 4)
+        }
         _ => {
             return Err(invalid_argument(
                 op,
@@ -443,47 +468,17 @@ pub(crate) fn kda_recurrence(
 ) -> Result<(Tensor, Tensor)> {
     const OP: &str = "kda_recurrence";
     let RecurrenceParams {
-        algorithm,
         batch,
         seq_len,
         key_heads,
         value_heads,
         key_dim,
         value_dim,
+        ..
     } = *params;
-    // SAFETY: a plain query of a constant.
-    let max_key_dim = unsafe { berrylm_kda_recurrence_max_key_dim() } as usize;
-    if key_dim > max_key_dim {
-        return Err(invalid_argument(
-            OP,
-            "q",
-            format!("key dim {key_dim} exceeds the CUDA kernel's maximum {max_key_dim}"),
-        ));
-    }
-    if batch > 65535 || value_heads > 65535 {
-        return Err(invalid_argument(
-            OP,
-            "v",
-            format!("batch {batch} or value heads {value_heads} exceed the CUDA kernel's 65535"),
-        ));
-    }
-    let prefill_algorithm = match algorithm {
-        KdaPrefillAlgorithm::Sequential => PREFILL_SEQUENTIAL,
-        KdaPrefillAlgorithm::Chunked => PREFILL_CHUNKED,
-    };
+    let prefill_algorithm = check_recurrence_limits(OP, params)?;
     let launch = Launch::new(cuda_device(OP, q)?)?;
-    // q, k and v share one dtype in the kernel; mixed dtypes are widened to
-    // f32 (exact).
-    let qkv_dtype = if q.dtype() == k.dtype() && q.dtype() == v.dtype() {
-        q.dtype()
-    } else {
-        DType::F32
-    };
-    let q = Input::new(q, Some(qkv_dtype))?;
-    let k = Input::new(k, Some(qkv_dtype))?;
-    let v = Input::new(v, Some(qkv_dtype))?;
-    let g = Input::new(g, Some(DType::F32))?;
-    let beta = Input::new(beta, Some(DType::F32))?;
+    let (qkv_dtype, [q, k, v, g, beta]) = recurrence_inputs(q, k, v, g, beta)?;
     let state = Input::new(state, Some(DType::F32))?;
     let out_shape = Shape::from_dims(&[batch, seq_len, value_heads, value_dim]);
     let state_shape = Shape::from_dims(&[batch, value_heads, key_dim, value_dim]);
@@ -522,6 +517,220 @@ pub(crate) fn kda_recurrence(
         into_tensor(out, out_shape),
         into_tensor(new_state, state_shape),
     ))
+}
+
+/// Fails unless the sizes fit the recurrence kernels; returns the
+/// `prefill_algorithm` argument of the launchers.
+fn check_recurrence_limits(op: &'static str, params: &RecurrenceParams) -> Result<c_int> {
+    let RecurrenceParams {
+        algorithm,
+        batch,
+        value_heads,
+        key_dim,
+        ..
+    } = *params;
+    // SAFETY: a plain query of a constant.
+    let max_key_dim = unsafe { berrylm_kda_recurrence_max_key_dim() } as usize;
+    if key_dim > max_key_dim {
+        return Err(invalid_argument(
+            op,
+            "q",
+            format!("key dim {key_dim} exceeds the CUDA kernel's maximum {max_key_dim}"),
+        ));
+    }
+    if batch > 65535 || value_heads > 65535 {
+        return Err(invalid_argument(
+            op,
+            "v",
+            format!("batch {batch} or value heads {value_heads} exceed the CUDA kernel's 65535"),
+        ));
+    }
+    Ok(match algorithm {
+        KdaPrefillAlgorithm::Sequential => PREFILL_SEQUENTIAL,
+        KdaPrefillAlgorithm::Chunked => PREFILL_CHUNKED,
+    })
+}
+
+/// The token inputs of the recurrence as the kernels read them: q, k and v
+/// in one dtype (mixed dtypes widened to f32, exact), g and beta in f32.
+fn recurrence_inputs(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+) -> Result<(DType, [Input; 5])> {
+    let qkv_dtype = if q.dtype() == k.dtype() && q.dtype() == v.dtype() {
+        q.dtype()
+    } else {
+        DType::F32
+    };
+    Ok((
+        qkv_dtype,
+        [
+            Input::new(q, Some(qkv_dtype))?,
+            Input::new(k, Some(qkv_dtype))?,
+            Input::new(v, Some(qkv_dtype))?,
+            Input::new(g, Some(DType::F32))?,
+            Input::new(beta, Some(DType::F32))?,
+        ],
+    ))
+}
+
+/// The storage behind `tensor` (its address identifies the storage, which
+/// tensors share through an `Arc`).
+fn storage_address(tensor: &Tensor) -> *const Storage {
+    let (storage, _) = tensor.storage_and_layout();
+    &*storage as *const Storage
+}
+
+/// The launch of `berrylm_kda_recurrence_in_pool` once every input address is
+/// known; run through [`Tensor::inplace_op1`] on the pool, which holds the
+/// pool's write lock and hands out its storage mutably (so the write is
+/// recorded as one).
+struct PoolLaunch<'a> {
+    launch: &'a Launch,
+    qkv_dtype: c_int,
+    q: CUdeviceptr,
+    k: CUdeviceptr,
+    v: CUdeviceptr,
+    g: CUdeviceptr,
+    beta: CUdeviceptr,
+    slots: CUdeviceptr,
+    out: CUdeviceptr,
+    pool_rows: c_int,
+    sizes: [c_int; 6],
+    prefill_algorithm: c_int,
+}
+
+impl InplaceOp1 for PoolLaunch<'_> {
+    fn name(&self) -> &'static str {
+        "kda_recurrence_in_pool"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _storage: &mut candle_core::CpuStorage,
+        _layout: &Layout,
+    ) -> candle_core::Result<()> {
+        // `kda_recurrence_in_pool` dispatches CPU pools to the CPU reference.
+        candle_core::bail!("kda_recurrence_in_pool: the CUDA launch got a CPU pool")
+    }
+
+    fn cuda_fwd(&self, storage: &mut CudaStorage, layout: &Layout) -> candle_core::Result<()> {
+        const OP: &str = "kda_recurrence_in_pool";
+        let CudaStorageSlice::F32(slice) = &mut storage.slice else {
+            candle_core::bail!("{OP}: the pool is not f32");
+        };
+        let (base, _guard) = slice.device_ptr_mut(&self.launch.stream);
+        let pool = base + (layout.start_offset() * 4) as CUdeviceptr;
+        let [batch, seq_len, key_heads, value_heads, key_dim, value_dim] = self.sizes;
+        // SAFETY: as in `kda_gate`; the pool is `pool_rows` contiguous rows
+        // of `Hv * dk * dv` f32 values from `pool`, and the kernels touch
+        // only rows `slots[b] < pool_rows`.
+        let code = unsafe {
+            berrylm_kda_recurrence_in_pool(
+                self.qkv_dtype,
+                self.q as *const c_void,
+                self.k as *const c_void,
+                self.v as *const c_void,
+                self.g as *const f32,
+                self.beta as *const f32,
+                pool as *mut f32,
+                self.slots as *const u32,
+                self.pool_rows,
+                self.out as *mut f32,
+                batch,
+                seq_len,
+                key_heads,
+                value_heads,
+                key_dim,
+                value_dim,
+                self.prefill_algorithm,
+                self.launch.raw_stream(),
+            )
+        };
+        check(OP, code).map_err(Into::into)
+    }
+}
+
+/// CUDA `kda_recurrence_in_pool`; arguments already validated by the caller
+/// (`pool` f32, contiguous, `[pool_rows, Hv, dk, dv]`; `slots` u32 `[B]`).
+#[allow(clippy::too_many_arguments)] // the public function's arguments
+pub(crate) fn kda_recurrence_in_pool(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    pool: &Tensor,
+    slots: &Tensor,
+    pool_rows: usize,
+    params: &RecurrenceParams,
+) -> Result<Tensor> {
+    const OP: &str = "kda_recurrence_in_pool";
+    let RecurrenceParams {
+        batch,
+        seq_len,
+        key_heads,
+        value_heads,
+        key_dim,
+        value_dim,
+        ..
+    } = *params;
+    let prefill_algorithm = check_recurrence_limits(OP, params)?;
+    let launch = Launch::new(cuda_device(OP, q)?)?;
+    let (qkv_dtype, [q, k, v, g, beta]) = recurrence_inputs(q, k, v, g, beta)?;
+    let slots = Input::new(slots, None)?;
+    // The pool's write lock is taken while the inputs' read locks are held;
+    // an input sharing the pool's storage would deadlock there (and race
+    // with the kernel's writes), so it is rejected.
+    let pool_storage = storage_address(pool);
+    for (arg, input) in [
+        ("q", &q),
+        ("k", &k),
+        ("v", &v),
+        ("g", &g),
+        ("beta", &beta),
+        ("slots", &slots),
+    ] {
+        if storage_address(&input.tensor) == pool_storage {
+            return Err(invalid_argument(
+                OP,
+                arg,
+                "shares its storage with `pool`".to_string(),
+            ));
+        }
+    }
+    let out_shape = Shape::from_dims(&[batch, seq_len, value_heads, value_dim]);
+    let mut out = launch.alloc(&out_shape, DType::F32)?;
+    {
+        input_ptrs!(OP, launch,
+            q_p <- q, k_p <- k, v_p <- v, g_p <- g, beta_p <- beta, slots_p <- slots);
+        let out_p = output_ptr(&mut out, &launch.stream)?;
+        pool.inplace_op1(&PoolLaunch {
+            launch: &launch,
+            qkv_dtype: dtype_code(OP, qkv_dtype)?,
+            q: q_p.0,
+            k: k_p.0,
+            v: v_p.0,
+            g: g_p.0,
+            beta: beta_p.0,
+            slots: slots_p.0,
+            out: out_p.0,
+            pool_rows: c_size(OP, "pool", pool_rows)?,
+            sizes: [
+                c_size(OP, "q", batch)?,
+                c_size(OP, "q", seq_len)?,
+                c_size(OP, "q", key_heads)?,
+                c_size(OP, "v", value_heads)?,
+                c_size(OP, "q", key_dim)?,
+                c_size(OP, "v", value_dim)?,
+            ],
+            prefill_algorithm,
+        })?;
+    }
+    Ok(into_tensor(out, out_shape))
 }
 
 /// CUDA `attn_res_mix`; arguments already validated by the caller.

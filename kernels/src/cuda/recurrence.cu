@@ -28,6 +28,11 @@
 //   B * Hv >= 128 (about one block per SM or more); the `tiles` kernel, with
 //   4x more blocks, serves smaller decode batches.
 //
+// In a pool (berrylm_kda_recurrence_in_pool), every kernel reads and writes
+// the state of sequence b at row slots[b] of the pool, in place
+// (`state_row` in recurrence.cuh says why that is safe); the kernel choice
+// is the same as for separate state arrays.
+//
 // The decode kernel (rows or tiles) is chosen only by that size and
 // alignment rule; the prefill algorithm is the caller's explicit choice
 // (`prefill_algorithm` of berrylm_kda_recurrence). Nothing here reads the
@@ -73,7 +78,9 @@ __global__ void __launch_bounds__(NW * 32)
     const T* k = static_cast<const T*>(args.k);
     const T* v = static_cast<const T*>(args.v);
 
-    const long long state_base = (static_cast<long long>(b) * hv + h) * dk * dv;
+    const long long row = state_row(args, b);
+    if (row < 0) return;  // the whole block: before any barrier
+    const long long state_base = (row * hv + h) * dk * dv;
     float s[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -229,9 +236,13 @@ __global__ void __launch_bounds__(kRowsWarps * 32, 2)
     const int row0 = warp * kRowsPerWarp;
 
     const long long head = static_cast<long long>(b) * hv + h;  // seq_len == 1
+    const long long row = state_row(args, b);
+    if (row < 0) return;  // the whole block: before any barrier
+    const long long state_head = row * hv + h;
     const float4* state_in =
-        reinterpret_cast<const float4*>(args.state_in + head * dk * kRowsDv) + lane;
-    float4* state_out = reinterpret_cast<float4*>(args.state_out + head * dk * kRowsDv) + lane;
+        reinterpret_cast<const float4*>(args.state_in + state_head * dk * kRowsDv) + lane;
+    float4* state_out =
+        reinterpret_cast<float4*>(args.state_out + state_head * dk * kRowsDv) + lane;
 
     float4 s[kRowsPerWarp];
 #pragma unroll
@@ -341,7 +352,9 @@ int launch_tiles(const RecurrenceArgs& args, int batch, cudaStream_t stream) {
 template <typename T>
 int launch(const RecurrenceArgs& args, int batch, PrefillAlgorithm prefill, cudaStream_t stream) {
     // Decode: `rows` when its shape and alignment constraints hold and the
-    // grid has about one block per SM or more, else `tiles`.
+    // grid has about one block per SM or more, else `tiles`. (State rows of
+    // a pool are dk * 512 bytes apart, so the base pointers' alignment is
+    // every row's.)
     const bool aligned = (reinterpret_cast<uintptr_t>(args.state_in) % 16 == 0) &&
                          (reinterpret_cast<uintptr_t>(args.state_out) % 16 == 0);
     const bool rows_ok = args.seq_len == 1 && args.value_dim == kRowsDv &&
@@ -367,6 +380,25 @@ int launch(const RecurrenceArgs& args, int batch, PrefillAlgorithm prefill, cuda
     return static_cast<int>(cudaErrorInvalidValue);
 }
 
+// Checks the sizes and the algorithm, then launches on `stream`. `args`
+// has everything but `query_scale`.
+static int check_and_launch(int qkv_dtype, RecurrenceArgs args, int batch, int prefill_algorithm,
+                            void* stream) {
+    if (prefill_algorithm != kPrefillSequential && prefill_algorithm != kPrefillChunked) {
+        return static_cast<int>(cudaErrorInvalidValue);
+    }
+    if (batch == 0 || args.value_heads == 0 || args.key_dim == 0 || args.value_dim == 0) return 0;
+    if (batch > 65535 || args.value_heads > 65535 || args.key_heads <= 0 ||
+        args.value_heads % args.key_heads != 0 || args.key_dim > 256 || args.state_rows < 0) {
+        return static_cast<int>(cudaErrorInvalidValue);
+    }
+    args.query_scale = static_cast<float>(1.0 / sqrt(static_cast<double>(args.key_dim)));
+    const PrefillAlgorithm prefill = static_cast<PrefillAlgorithm>(prefill_algorithm);
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    BERRYLM_DISPATCH_DTYPE(qkv_dtype, T, { return launch<T>(args, batch, prefill, s); });
+    return 0;
+}
+
 }  // namespace berrylm::recurrence
 
 using namespace berrylm::recurrence;
@@ -388,19 +420,24 @@ extern "C" int berrylm_kda_recurrence(int qkv_dtype, const void* q, const void* 
                                       float* out, float* state_out, int batch, int seq_len,
                                       int key_heads, int value_heads, int key_dim, int value_dim,
                                       int prefill_algorithm, void* stream) {
-    if (prefill_algorithm != kPrefillSequential && prefill_algorithm != kPrefillChunked) {
-        return static_cast<int>(cudaErrorInvalidValue);
-    }
-    if (batch == 0 || value_heads == 0 || key_dim == 0 || value_dim == 0) return 0;
-    if (batch > 65535 || value_heads > 65535 || key_heads <= 0 ||
-        value_heads % key_heads != 0 || key_dim > 256) {
-        return static_cast<int>(cudaErrorInvalidValue);
-    }
-    const PrefillAlgorithm prefill = static_cast<PrefillAlgorithm>(prefill_algorithm);
-    RecurrenceArgs args{q,       k,         v,       g,         beta,        state_in,
-                        out,     state_out, seq_len, key_heads, value_heads, key_dim,
-                        value_dim, static_cast<float>(1.0 / sqrt(static_cast<double>(key_dim)))};
-    cudaStream_t s = static_cast<cudaStream_t>(stream);
-    BERRYLM_DISPATCH_DTYPE(qkv_dtype, T, { return launch<T>(args, batch, prefill, s); });
-    return 0;
+    const RecurrenceArgs args{q,     k,       v,       g,         beta,        state_in,
+                              out,   state_out, nullptr, batch,   seq_len,     key_heads,
+                              value_heads, key_dim, value_dim, 0.0f};
+    return check_and_launch(qkv_dtype, args, batch, prefill_algorithm, stream);
+}
+
+// berrylm_kda_recurrence for `batch` sequences whose states are rows
+// `slots[b]` of `pool` ([pool_rows, Hv, dk, dv] f32), read and updated in
+// place. The slots must be distinct; a slot >= pool_rows makes its sequence
+// a no-op (nothing read or written, outputs unwritten).
+extern "C" int berrylm_kda_recurrence_in_pool(int qkv_dtype, const void* q, const void* k,
+                                              const void* v, const float* g, const float* beta,
+                                              float* pool, const uint32_t* slots, int pool_rows,
+                                              float* out, int batch, int seq_len, int key_heads,
+                                              int value_heads, int key_dim, int value_dim,
+                                              int prefill_algorithm, void* stream) {
+    const RecurrenceArgs args{q,     k,    v,     g,         beta,     pool,
+                              out,   pool, slots, pool_rows, seq_len,  key_heads,
+                              value_heads, key_dim, value_dim, 0.0f};
+    return check_and_launch(qkv_dtype, args, batch, prefill_algorithm, stream);
 }

@@ -14,12 +14,30 @@ struct RecurrenceArgs {
     const void* v;           // [B, T, Hv, dv], T
     const float* g;          // [B, T, Hv, dk]
     const float* beta;       // [B, T, Hv]
-    const float* state_in;   // [B, Hv, dk, dv]
+    const float* state_in;   // [rows, Hv, dk, dv]
     float* out;              // [B, T, Hv, dv]
-    float* state_out;        // [B, Hv, dk, dv]
+    float* state_out;        // [rows, Hv, dk, dv]; may equal state_in (a pool updated in place)
+    const uint32_t* slots;   // [B] state row of each sequence, or null: row b (rows = B)
+    int state_rows;          // rows of state_in / state_out
     int seq_len, key_heads, value_heads, key_dim, value_dim;
     float query_scale;
 };
+
+// The state row of sequence b: slots[b] for a pool, else b; -1 when the slot
+// is out of range, and then the sequence's block does nothing (no state
+// read or written, its outputs left unwritten). The Rust API validates the
+// slots on the host, so this only guards memory outside the pool.
+//
+// In place (state_in == state_out) is safe in every kernel using this: each
+// thread loads its own state elements into registers before any write and
+// stores exactly those elements, so no element is read by one thread and
+// written by another; distinct slots give blocks of different sequences
+// disjoint state regions.
+__device__ __forceinline__ long long state_row(const RecurrenceArgs& args, int b) {
+    if (args.slots == nullptr) return b;
+    const uint32_t slot = args.slots[b];
+    return slot < static_cast<uint32_t>(args.state_rows) ? static_cast<long long>(slot) : -1;
+}
 
 // Largest head dims of the chunked prefill.
 constexpr int kChunkMaxDk = 128;

@@ -1,6 +1,6 @@
 use berrylm_kernels::{
-    attn_res_mix, causal_conv1d, gated_rms_norm, kda_gate, kda_recurrence, kda_recurrence_with,
-    moe_route, offset_rms_norm, KdaPrefillAlgorithm, KernelError, Result,
+    attn_res_mix, causal_conv1d, gated_rms_norm, kda_gate, kda_recurrence, kda_recurrence_in_pool,
+    kda_recurrence_with, moe_route, offset_rms_norm, KdaPrefillAlgorithm, KernelError, Result,
 };
 use candle_core::{DType, Device, Tensor};
 
@@ -116,6 +116,76 @@ fn kda_recurrence_rejects_bad_arguments() {
             "k",
         );
     }
+}
+
+#[test]
+fn kda_recurrence_in_pool_rejects_bad_arguments() -> Result<()> {
+    let (b, t, hk, hv, dk, dv, rows) = (2, 1, 2, 4, 5, 5, 6);
+    let q = zeros(&[b, t, hk, dk]);
+    let v = zeros(&[b, t, hv, dv]);
+    let g = zeros(&[b, t, hv, dk]);
+    let beta = zeros(&[b, t, hv]);
+    let pool = Tensor::ones((rows, hv, dk, dv), DType::F32, &Device::Cpu)?;
+    let host = [4u32, 1];
+    let slots = Tensor::new(&host, &Device::Cpu)?;
+    let op = "kda_recurrence_in_pool";
+    let run = |q: &Tensor, pool: &Tensor, slots: &Tensor, host: &[u32]| {
+        kda_recurrence_in_pool(q, q, &v, &g, &beta, pool, slots, host)
+    };
+    // Token inputs: as kda_recurrence, under this op's name.
+    assert_rejects(run(&zeros(&[b, t, 3, dk]), &pool, &slots, &host), op, "v");
+    assert_rejects(
+        kda_recurrence_in_pool(
+            &q,
+            &zeros(&[b, t, hk, 4]),
+            &v,
+            &g,
+            &beta,
+            &pool,
+            &slots,
+            &host,
+        ),
+        op,
+        "k",
+    );
+    // The pool: f32, [S, Hv, dk, dv], contiguous.
+    assert_rejects(
+        run(&q, &pool.to_dtype(DType::BF16)?, &slots, &host),
+        op,
+        "pool",
+    );
+    assert_rejects(
+        run(&q, &zeros(&[rows, hv, dk, 4]), &slots, &host),
+        op,
+        "pool",
+    );
+    assert_rejects(
+        run(&q, &zeros(&[rows, hv * dk * dv]), &slots, &host),
+        op,
+        "pool",
+    );
+    assert_rejects(run(&q, &pool.transpose(2, 3)?, &slots, &host), op, "pool");
+    // The slots tensor: u32 [B], equal to the host slots (on the CPU).
+    assert_rejects(
+        run(&q, &pool, &slots.to_dtype(DType::F32)?, &host),
+        op,
+        "slots",
+    );
+    let three = Tensor::new(&[4u32, 1, 0], &Device::Cpu)?;
+    assert_rejects(run(&q, &pool, &three, &host), op, "slots");
+    assert_rejects(run(&q, &pool, &slots, &[1, 4]), op, "slots");
+    // The host slots: B of them, each < S, distinct.
+    assert_rejects(run(&q, &pool, &slots, &[4]), op, "host_slots");
+    let out_of_range = Tensor::new(&[4u32, 6], &Device::Cpu)?;
+    assert_rejects(run(&q, &pool, &out_of_range, &[4, 6]), op, "host_slots");
+    let duplicate = Tensor::new(&[3u32, 3], &Device::Cpu)?;
+    assert_rejects(run(&q, &pool, &duplicate, &[3, 3]), op, "host_slots");
+    // Nothing was written by the rejected calls.
+    assert_eq!(
+        pool.flatten_all()?.to_vec1::<f32>()?,
+        vec![1.0; rows * hv * dk * dv]
+    );
+    Ok(())
 }
 
 #[test]

@@ -1,5 +1,7 @@
-use berrylm_kernels::{kda_recurrence, kda_recurrence_with, KdaPrefillAlgorithm, Result};
-use candle_core::{DType, Tensor};
+use berrylm_kernels::{
+    kda_recurrence, kda_recurrence_in_pool, kda_recurrence_with, KdaPrefillAlgorithm, Result,
+};
+use candle_core::{DType, Device, Tensor};
 
 use crate::common::{assert_close, assert_identical, f32_values, f64_values, tensor, Rng};
 
@@ -333,4 +335,175 @@ fn prefill_algorithm_does_not_change_cpu_results() -> Result<()> {
         assert_identical(&algorithm_state, &state)?;
     }
     Ok(())
+}
+
+// ------------------------------------------------------------------ in pool
+
+/// Rows of the test pools; the tests' slots are scattered over them.
+const POOL_ROWS: usize = 9;
+
+/// A pool of `rows` random states for `sizes`' heads.
+fn random_pool(seed: u64, sizes: Sizes, rows: usize) -> Result<Tensor> {
+    let len = rows * sizes.value_heads * sizes.key_dim * sizes.value_dim;
+    tensor(
+        Rng::new(seed).uniform_vec(len, -0.5, 0.5),
+        &[rows, sizes.value_heads, sizes.key_dim, sizes.value_dim],
+    )
+}
+
+/// Rows `slots` of `pool`, in that order.
+fn gather(pool: &Tensor, slots: &[u32]) -> Result<Tensor> {
+    let ids = Tensor::new(slots, &Device::Cpu)?;
+    Ok(pool.index_select(&ids, 0)?)
+}
+
+fn run_in_pool(inputs: &RecurrenceInputs, pool: &Tensor, slots: &[u32]) -> Result<Tensor> {
+    kda_recurrence_in_pool(
+        &inputs.q,
+        &inputs.k,
+        &inputs.v,
+        &inputs.g,
+        &inputs.beta,
+        pool,
+        &Tensor::new(slots, &Device::Cpu)?,
+        slots,
+    )
+}
+
+/// Runs `kda_recurrence_in_pool` on a copy of `pool` and checks it against
+/// `kda_recurrence` on the gathered rows: identical outputs, rows `slots`
+/// identical to the final states, every other row untouched (bit for bit).
+fn check_in_pool(inputs: &RecurrenceInputs, pool: &Tensor, slots: &[u32]) -> Result<()> {
+    let state = gather(pool, slots)?;
+    let (expected_output, expected_state) = kda_recurrence(
+        &inputs.q,
+        &inputs.k,
+        &inputs.v,
+        &inputs.g,
+        &inputs.beta,
+        &state,
+    )?;
+    let updated = pool.copy()?;
+    let output = run_in_pool(inputs, &updated, slots)?;
+    assert_identical(&output, &expected_output)?;
+    assert_identical(&gather(&updated, slots)?, &expected_state)?;
+    let rows = pool.dims()[0];
+    for row in (0..rows).filter(|row| !slots.contains(&(*row as u32))) {
+        assert_identical(&updated.narrow(0, row, 1)?, &pool.narrow(0, row, 1)?)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn in_pool_matches_recurrence_on_gathered_rows() -> Result<()> {
+    for (seed, sizes) in [(20, HF_TEST_SIZES), (21, GROUPED_SIZES)] {
+        let slots = [5, 2, 7];
+        for seq_len in [1, 4] {
+            let sizes = Sizes {
+                batch: slots.len(),
+                seq_len,
+                ..sizes
+            };
+            let pool = random_pool(seed + 100, sizes, POOL_ROWS)?;
+            check_in_pool(&inputs(seed, sizes, false)?, &pool, &slots)?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn in_pool_accepts_any_slot_order_and_the_last_row() -> Result<()> {
+    for slots in [vec![8], vec![0, 8], vec![8, 0, 3, 1], vec![]] {
+        let sizes = Sizes {
+            batch: slots.len(),
+            seq_len: 2,
+            ..GROUPED_SIZES
+        };
+        let pool = random_pool(23, sizes, POOL_ROWS)?;
+        check_in_pool(&inputs(22, sizes, false)?, &pool, &slots)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn in_pool_empty_sequence_keeps_the_pool() -> Result<()> {
+    let sizes = Sizes {
+        batch: 2,
+        seq_len: 0,
+        ..GROUPED_SIZES
+    };
+    let pool = random_pool(25, sizes, POOL_ROWS)?;
+    let updated = pool.copy()?;
+    let output = run_in_pool(&inputs(24, sizes, false)?, &updated, &[4, 1])?;
+    assert_eq!(output.dims(), &[2, 0, 4, 3]);
+    assert_identical(&updated, &pool)
+}
+
+/// The pool is written through its storage: every handle sharing it (a
+/// clone, the tensor a view was taken from) sees the new states, and a view
+/// at an offset is indexed from its own first row.
+#[test]
+fn in_pool_writes_through_shared_storage() -> Result<()> {
+    let sizes = Sizes {
+        batch: 2,
+        seq_len: 1,
+        ..GROUPED_SIZES
+    };
+    let inputs = inputs(26, sizes, false)?;
+    let whole = random_pool(27, sizes, POOL_ROWS + 1)?;
+    let original = whole.copy()?;
+    let view = whole.narrow(0, 1, POOL_ROWS)?;
+    let handle = view.clone();
+    let slots = [3, 0];
+    let state = gather(&view, &slots)?;
+    let (_, expected_state) = kda_recurrence(
+        &inputs.q,
+        &inputs.k,
+        &inputs.v,
+        &inputs.g,
+        &inputs.beta,
+        &state,
+    )?;
+    run_in_pool(&inputs, &view, &slots)?;
+    assert_identical(&gather(&handle, &slots)?, &expected_state)?;
+    assert_identical(&gather(&whole, &[4, 1])?, &expected_state)?;
+    for row in [0, 2, 3, 5, 6, 7, 8, 9] {
+        assert_identical(&whole.narrow(0, row, 1)?, &original.narrow(0, row, 1)?)?;
+    }
+    Ok(())
+}
+
+/// Decode steps in the pool, one token each, equal one call over all tokens.
+#[test]
+fn in_pool_decode_steps_equal_one_call() -> Result<()> {
+    let whole = inputs(28, HF_TEST_SIZES, false)?;
+    let slots = [6, 1];
+    let pool = random_pool(29, HF_TEST_SIZES, POOL_ROWS)?;
+    let (whole_output, whole_state) = kda_recurrence(
+        &whole.q,
+        &whole.k,
+        &whole.v,
+        &whole.g,
+        &whole.beta,
+        &gather(&pool, &slots)?,
+    )?;
+    let updated = pool.copy()?;
+    let mut outputs = Vec::new();
+    for t in 0..HF_TEST_SIZES.seq_len {
+        let step = RecurrenceInputs {
+            sizes: Sizes {
+                seq_len: 1,
+                ..HF_TEST_SIZES
+            },
+            q: whole.q.narrow(1, t, 1)?,
+            k: whole.k.narrow(1, t, 1)?,
+            v: whole.v.narrow(1, t, 1)?,
+            g: whole.g.narrow(1, t, 1)?,
+            beta: whole.beta.narrow(1, t, 1)?,
+            state: whole.state.clone(),
+        };
+        outputs.push(run_in_pool(&step, &updated, &slots)?);
+    }
+    assert_identical(&Tensor::cat(&outputs, 1)?, &whole_output)?;
+    assert_identical(&gather(&updated, &slots)?, &whole_state)
 }

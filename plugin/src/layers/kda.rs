@@ -10,12 +10,22 @@ use crate::error::BerryLmError;
 use crate::layers::linear::Linear;
 use crate::weights::Weights;
 
-/// One sequence group's KDA state as the host pool stores it.
-pub struct KdaState {
+/// One sequence group's KDA state.
+pub struct KdaState<'a> {
     /// `[B, conv_dim, Kc]`: the last `Kc` pre-conv q|k|v columns.
     pub conv: Tensor,
-    /// `[B, Hv, dk, dv]`, f32.
-    pub recurrent: Tensor,
+    /// The recurrent states, updated in place in the host's pool.
+    pub recurrent: PoolRows<'a>,
+}
+
+/// The rows of the host's recurrent state pool that a batch's sequences own.
+pub struct PoolRows<'a> {
+    /// `[S, Hv, dk, dv]`, f32: the pool.
+    pub states: &'a Tensor,
+    /// `[B]` u32 on the pool's device: each sequence's row.
+    pub slots: &'a Tensor,
+    /// The same rows on the host.
+    pub host_slots: &'a [u32],
 }
 
 pub struct Kda {
@@ -84,7 +94,7 @@ impl Kda {
 
     /// `x` `[B, T, hidden]` (already normed) continues the sequences whose state
     /// is `state`; returns the layer output and leaves the new state in `state`.
-    pub fn forward(&self, x: &Tensor, state: &mut KdaState) -> Result<Tensor> {
+    pub fn forward(&self, x: &Tensor, state: &mut KdaState<'_>) -> Result<Tensor> {
         let (batch, seq_len, _) = x.dims3()?;
         let dtype = x.dtype();
         let key_dim = self.num_key_heads * self.key_head_dim;
@@ -134,20 +144,31 @@ impl Kda {
         // path). Lower-precision activations take the kernels' default, which
         // computes long CUDA prefills with TF32 tensor-core products, an error
         // far below their own rounding.
-        let (out, recurrent) = if dtype == DType::F32 {
-            berrylm_kernels::kda_recurrence_with(
+        let pool = &state.recurrent;
+        let out = if dtype == DType::F32 {
+            berrylm_kernels::kda_recurrence_in_pool_with(
                 KdaPrefillAlgorithm::Sequential,
                 &q,
                 &k,
                 &v,
                 &gate,
                 &beta,
-                &state.recurrent,
+                pool.states,
+                pool.slots,
+                pool.host_slots,
             )?
         } else {
-            berrylm_kernels::kda_recurrence(&q, &k, &v, &gate, &beta, &state.recurrent)?
+            berrylm_kernels::kda_recurrence_in_pool(
+                &q,
+                &k,
+                &v,
+                &gate,
+                &beta,
+                pool.states,
+                pool.slots,
+                pool.host_slots,
+            )?
         };
-        state.recurrent = recurrent;
 
         let rows = batch * seq_len * self.num_value_heads;
         let normed = berrylm_kernels::gated_rms_norm(

@@ -22,7 +22,20 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 }
 
 /// `a @ b + bias` (bias broadcast over the rows), in the dtype of `a`.
+///
+/// A matrix `b` (a layer's weight) is applied to the rows of `a` flattened to
+/// two dimensions: broadcasting it over `a`'s leading dimensions instead
+/// would materialise one copy of the weight per batch row before the batched
+/// product.
 pub fn matmul_add(a: &Tensor, b: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    if b.rank() == 2 && a.rank() > 2 {
+        let mut dims = a.dims().to_vec();
+        let y = matmul_add(&a.flatten_to(a.rank() - 2)?, b, bias)?;
+        if let Some(last) = dims.last_mut() {
+            *last = b.dim(1)?;
+        }
+        return y.reshape(dims);
+    }
     if widened(a) {
         let y = a
             .to_dtype(DType::F32)?
