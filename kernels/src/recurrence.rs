@@ -40,6 +40,17 @@ pub enum KdaPrefillAlgorithm {
 /// on (`CUDA.md`).
 const CHUNKED_PREFILL_MIN_LEN: usize = 64;
 
+impl KdaPrefillAlgorithm {
+    /// The algorithm [`kda_recurrence`] picks for a call of `seq_len` tokens.
+    pub fn for_len(seq_len: usize) -> KdaPrefillAlgorithm {
+        if seq_len >= CHUNKED_PREFILL_MIN_LEN {
+            KdaPrefillAlgorithm::Chunked
+        } else {
+            KdaPrefillAlgorithm::Sequential
+        }
+    }
+}
+
 /// Sizes of one `kda_recurrence` call.
 struct RecurrenceDims {
     batch: usize,
@@ -88,12 +99,7 @@ pub fn kda_recurrence(
 
 /// The prefill algorithm [`kda_recurrence`] uses for queries `q`.
 fn default_algorithm(q: &Tensor) -> KdaPrefillAlgorithm {
-    let seq_len = q.dims().get(1).copied().unwrap_or(0);
-    if seq_len >= CHUNKED_PREFILL_MIN_LEN {
-        KdaPrefillAlgorithm::Chunked
-    } else {
-        KdaPrefillAlgorithm::Sequential
-    }
+    KdaPrefillAlgorithm::for_len(q.dims().get(1).copied().unwrap_or(0))
 }
 
 /// [`kda_recurrence`] with an explicit prefill algorithm.

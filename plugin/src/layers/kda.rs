@@ -144,31 +144,23 @@ impl Kda {
         // path). Lower-precision activations take the kernels' default, which
         // computes long CUDA prefills with TF32 tensor-core products, an error
         // far below their own rounding.
-        let pool = &state.recurrent;
-        let out = if dtype == DType::F32 {
-            berrylm_kernels::kda_recurrence_in_pool_with(
-                KdaPrefillAlgorithm::Sequential,
-                &q,
-                &k,
-                &v,
-                &gate,
-                &beta,
-                pool.states,
-                pool.slots,
-                pool.host_slots,
-            )?
+        let algorithm = if dtype == DType::F32 {
+            KdaPrefillAlgorithm::Sequential
         } else {
-            berrylm_kernels::kda_recurrence_in_pool(
-                &q,
-                &k,
-                &v,
-                &gate,
-                &beta,
-                pool.states,
-                pool.slots,
-                pool.host_slots,
-            )?
+            KdaPrefillAlgorithm::for_len(seq_len)
         };
+        let pool = &state.recurrent;
+        let out = berrylm_kernels::kda_recurrence_in_pool_with(
+            algorithm,
+            &q,
+            &k,
+            &v,
+            &gate,
+            &beta,
+            pool.states,
+            pool.slots,
+            pool.host_slots,
+        )?;
 
         let rows = batch * seq_len * self.num_value_heads;
         let normed = berrylm_kernels::gated_rms_norm(
