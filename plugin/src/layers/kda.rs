@@ -113,13 +113,12 @@ impl Kda {
         )?
         .reshape((batch, seq_len, self.num_value_heads, self.key_head_dim))?;
 
-        let conv_state_dtype = state.conv.dtype();
-        let (mixed, conv_state) = berrylm_kernels::causal_conv1d(
-            &mixed,
-            &self.conv_weight,
-            &state.conv.to_dtype(dtype)?,
-        )?;
-        state.conv = conv_state.to_dtype(conv_state_dtype)?;
+        // The pool keeps the conv state in f32; its columns are activation
+        // values, exact in f32, and the kernel reads and returns the state in
+        // the pool's dtype.
+        let (mixed, conv_state) =
+            berrylm_kernels::causal_conv1d(&mixed, &self.conv_weight, &state.conv)?;
+        state.conv = conv_state;
 
         let q = mixed.narrow(2, 0, key_dim)?.reshape((
             batch,
