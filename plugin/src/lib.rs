@@ -6,6 +6,8 @@
 //! checkpoint whose `config.json` names BerryLM.
 
 pub mod config;
+#[cfg(feature = "cuda")]
+pub mod device_memory;
 pub mod driver;
 pub mod error;
 pub mod host;

@@ -67,6 +67,8 @@ impl BerryLm {
         paged_attention: bool,
     ) -> crate::error::Result<BerryLm> {
         let device = weights.device().clone();
+        #[cfg(feature = "cuda")]
+        crate::device_memory::keep_freed_memory_pooled(&device)?;
         let model = weights.pp("model");
         let embed_tokens = model
             .pp("embed_tokens")
