@@ -51,7 +51,7 @@ pub use gate::kda_gate;
 pub use norm::{gated_rms_norm, offset_rms_norm};
 pub use recurrence::{
     kda_recurrence, kda_recurrence_in_pool, kda_recurrence_in_pool_with, kda_recurrence_with,
-    KdaPrefillAlgorithm,
+    KdaPrefillAlgorithm, StatePool,
 };
 pub use route::moe_route;
 

@@ -61,6 +61,22 @@ struct RecurrenceDims {
     value_dim: usize,
 }
 
+impl RecurrenceDims {
+    /// These sizes and `algorithm`, as the CUDA launchers take them.
+    #[cfg(feature = "cuda")]
+    fn cuda_params(&self, algorithm: KdaPrefillAlgorithm) -> crate::cuda::RecurrenceParams {
+        crate::cuda::RecurrenceParams {
+            algorithm,
+            batch: self.batch,
+            seq_len: self.seq_len,
+            key_heads: self.key_heads,
+            value_heads: self.value_heads,
+            key_dim: self.key_dim,
+            value_dim: self.value_dim,
+        }
+    }
+}
+
 /// Runs the KDA recurrence token by token, in `f32`.
 ///
 /// * `q`, `k`: `[B, T, Hk, dk]`.
@@ -127,45 +143,40 @@ pub fn kda_recurrence_with(
             cpu_kda_recurrence(q, k, v, g, beta, state, &dims)
         }
         #[cfg(feature = "cuda")]
-        Device::Cuda(_) => crate::cuda::kda_recurrence(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            state,
-            &crate::cuda::RecurrenceParams {
-                algorithm,
-                batch: dims.batch,
-                seq_len: dims.seq_len,
-                key_heads: dims.key_heads,
-                value_heads: dims.value_heads,
-                key_dim: dims.key_dim,
-                value_dim: dims.value_dim,
-            },
-        ),
+        Device::Cuda(_) => {
+            crate::cuda::kda_recurrence(q, k, v, g, beta, state, &dims.cuda_params(algorithm))
+        }
         other => Err(unsupported_device(OP, other)),
     }
 }
 
 const POOL_OP: &str = "kda_recurrence_in_pool";
 
+/// The rows of an `f32` recurrent state pool that a batch's sequences own.
+#[derive(Clone, Copy)]
+pub struct StatePool<'a> {
+    /// `[S, Hv, dk, dv]`, `f32`, contiguous (a view at an offset is fine);
+    /// row `s` is the state of whichever sequence owns slot `s`.
+    pub states: &'a Tensor,
+    /// `[B]`, `u32`, on the device of the other tensors: the pool row of each
+    /// sequence. The kernels read it on the device.
+    pub slots: &'a Tensor,
+    /// The same `B` slots on the host, where they are validated: each `< S`,
+    /// all distinct. Taking them from the caller (who chose the slots on the
+    /// host anyway) validates them without copying `slots` back from the GPU,
+    /// which would stall candle's stream.
+    pub host_slots: &'a [u32],
+}
+
 /// The recurrence of [`kda_recurrence`] for `B` sequences whose states are
-/// rows `slots[b]` of `pool`, updated in place.
+/// rows `slots[b]` of `pool.states`, updated in place.
 ///
 /// * `q`, `k`, `v`, `g`, `beta`: as for [`kda_recurrence`] (same shapes,
 ///   dtypes, validation and arithmetic; the prefill algorithm is chosen by
 ///   `T` the same way).
-/// * `pool`: `[S, Hv, dk, dv]`, `f32`, contiguous (a view at an offset is
-///   fine); row `s` is the state of whichever sequence owns slot `s`.
-/// * `slots`: `[B]`, `u32`, on the device of the other tensors: the pool row
-///   of each sequence. The kernels read it on the device.
-/// * `host_slots`: the same `B` slots on the host, where they are validated:
-///   each `< S`, all distinct. Taking them from the caller (who chose the
-///   slots on the host anyway) validates them without copying `slots` back
-///   from the GPU, which would stall candle's stream.
+/// * `pool`: the state pool and the batch's rows in it ([`StatePool`]).
 ///
-/// Before returning, row `slots[b]` of `pool` holds the final state that
+/// Before returning, row `slots[b]` of `pool.states` holds the final state that
 /// [`kda_recurrence`] returns for sequence `b` started from that row (bit
 /// for bit on the CPU and with the same CUDA kernels); no other row is
 /// written. The write goes into the pool's storage, so every tensor sharing
@@ -175,36 +186,20 @@ const POOL_OP: &str = "kda_recurrence_in_pool";
 /// not compared (that would need the copy back); the kernels leave a
 /// sequence whose `slots` entry is `>= S` alone, so a disagreeing `slots`
 /// can leave outputs unspecified but never writes outside the pool. No
-/// input may share storage with `pool`.
-// The signature is the contract of the host's state pool: five token inputs,
-// the pool and its slots on both sides.
-#[allow(clippy::too_many_arguments)]
+/// input may share storage with `pool.states`.
 pub fn kda_recurrence_in_pool(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     g: &Tensor,
     beta: &Tensor,
-    pool: &Tensor,
-    slots: &Tensor,
-    host_slots: &[u32],
+    pool: StatePool<'_>,
 ) -> Result<Tensor> {
-    kda_recurrence_in_pool_with(
-        default_algorithm(q),
-        q,
-        k,
-        v,
-        g,
-        beta,
-        pool,
-        slots,
-        host_slots,
-    )
+    kda_recurrence_in_pool_with(default_algorithm(q), q, k, v, g, beta, pool)
 }
 
 /// [`kda_recurrence_in_pool`] with an explicit prefill algorithm (as
 /// [`kda_recurrence_with`] is to [`kda_recurrence`]).
-#[allow(clippy::too_many_arguments)]
 pub fn kda_recurrence_in_pool_with(
     algorithm: KdaPrefillAlgorithm,
     q: &Tensor,
@@ -212,10 +207,13 @@ pub fn kda_recurrence_in_pool_with(
     v: &Tensor,
     g: &Tensor,
     beta: &Tensor,
-    pool: &Tensor,
-    slots: &Tensor,
-    host_slots: &[u32],
+    pool: StatePool<'_>,
 ) -> Result<Tensor> {
+    let StatePool {
+        states: pool,
+        slots,
+        host_slots,
+    } = pool;
     let dims = validate_tokens(POOL_OP, q, k, v, g, beta)?;
     let pool_rows = validate_pool(pool, &dims)?;
     validate_slots(slots, host_slots, pool_rows, &dims)?;
@@ -251,15 +249,7 @@ pub fn kda_recurrence_in_pool_with(
             pool,
             slots,
             pool_rows,
-            &crate::cuda::RecurrenceParams {
-                algorithm,
-                batch: dims.batch,
-                seq_len: dims.seq_len,
-                key_heads: dims.key_heads,
-                value_heads: dims.value_heads,
-                key_dim: dims.key_dim,
-                value_dim: dims.value_dim,
-            },
+            &dims.cuda_params(algorithm),
         ),
         other => Err(unsupported_device(POOL_OP, other)),
     }

@@ -16,6 +16,7 @@ mod common;
 use berrylm_kernels::{
     attn_res_mix, causal_conv1d, gated_rms_norm, kda_gate, kda_recurrence, kda_recurrence_in_pool,
     kda_recurrence_with, moe_route, offset_rms_norm, KdaPrefillAlgorithm, KernelError, Result,
+    StatePool,
 };
 use std::sync::OnceLock;
 
@@ -784,9 +785,11 @@ fn pool_case(seed: u64, s: RecSizes, qkv: DType) -> Result<()> {
         &inputs.v,
         &inputs.g,
         &inputs.beta,
-        &pool_cpu,
-        &Tensor::new(slots.as_slice(), &Device::Cpu)?,
-        &slots,
+        StatePool {
+            states: &pool_cpu,
+            slots: &Tensor::new(slots.as_slice(), &Device::Cpu)?,
+            host_slots: &slots,
+        },
     )?;
 
     let [q, k, v, g, beta] = [&inputs.q, &inputs.k, &inputs.v, &inputs.g, &inputs.beta]
@@ -800,9 +803,11 @@ fn pool_case(seed: u64, s: RecSizes, qkv: DType) -> Result<()> {
         &v,
         &g,
         &beta,
-        &pool_gpu,
-        &Tensor::new(slots.as_slice(), &dev)?,
-        &slots,
+        StatePool {
+            states: &pool_gpu,
+            slots: &Tensor::new(slots.as_slice(), &dev)?,
+            host_slots: &slots,
+        },
     )?;
 
     let tensor_cores = s.seq_len >= 64;

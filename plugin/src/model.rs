@@ -11,12 +11,13 @@ use mistralrs_core::plugin_api::{
 use crate::config::{BerryLmConfig, LayerKind};
 use crate::layers::attention::{AttentionKv, GatedAttention};
 use crate::layers::attn_res::AttnRes;
-use crate::layers::kda::{Kda, KdaState, PoolRows};
+use crate::layers::kda::{Kda, KdaState};
 use crate::layers::linear::Linear;
 use crate::layers::moe::SparseMoe;
 use crate::layers::norm::OffsetRmsNorm;
 use crate::layers::rope::PartialRotaryEmbedding;
 use crate::weights::Weights;
+use berrylm_kernels::StatePool;
 
 enum Mixer {
     Kda(Kda),
@@ -340,7 +341,7 @@ fn run_kda(
     let out = if all_full {
         let mut state = KdaState {
             conv: pool.gather_conv_state(indices)?,
-            recurrent: PoolRows {
+            recurrent: StatePool {
                 states: &pool.recurrent_state,
                 slots: indices,
                 host_slots: slots,
@@ -357,7 +358,7 @@ fn run_kda(
             let index = Tensor::new(&[slot], pool.device())?;
             let mut state = KdaState {
                 conv: pool.gather_conv_state(&index)?,
-                recurrent: PoolRows {
+                recurrent: StatePool {
                     states: &pool.recurrent_state,
                     slots: &index,
                     host_slots: &[slot],

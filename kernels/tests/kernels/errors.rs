@@ -1,6 +1,7 @@
 use berrylm_kernels::{
     attn_res_mix, causal_conv1d, gated_rms_norm, kda_gate, kda_recurrence, kda_recurrence_in_pool,
     kda_recurrence_with, moe_route, offset_rms_norm, KdaPrefillAlgorithm, KernelError, Result,
+    StatePool,
 };
 use candle_core::{DType, Device, Tensor};
 
@@ -130,7 +131,12 @@ fn kda_recurrence_in_pool_rejects_bad_arguments() -> Result<()> {
     let slots = Tensor::new(&host, &Device::Cpu)?;
     let op = "kda_recurrence_in_pool";
     let run = |q: &Tensor, pool: &Tensor, slots: &Tensor, host: &[u32]| {
-        kda_recurrence_in_pool(q, q, &v, &g, &beta, pool, slots, host)
+        let pool = StatePool {
+            states: pool,
+            slots,
+            host_slots: host,
+        };
+        kda_recurrence_in_pool(q, q, &v, &g, &beta, pool)
     };
     // Token inputs: as kda_recurrence, under this op's name.
     assert_rejects(run(&zeros(&[b, t, 3, dk]), &pool, &slots, &host), op, "v");
@@ -141,9 +147,11 @@ fn kda_recurrence_in_pool_rejects_bad_arguments() -> Result<()> {
             &v,
             &g,
             &beta,
-            &pool,
-            &slots,
-            &host,
+            StatePool {
+                states: &pool,
+                slots: &slots,
+                host_slots: &host,
+            },
         ),
         op,
         "k",

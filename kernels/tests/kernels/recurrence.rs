@@ -1,5 +1,6 @@
 use berrylm_kernels::{
     kda_recurrence, kda_recurrence_in_pool, kda_recurrence_with, KdaPrefillAlgorithm, Result,
+    StatePool,
 };
 use candle_core::{DType, Device, Tensor};
 
@@ -364,9 +365,11 @@ fn run_in_pool(inputs: &RecurrenceInputs, pool: &Tensor, slots: &[u32]) -> Resul
         &inputs.v,
         &inputs.g,
         &inputs.beta,
-        pool,
-        &Tensor::new(slots, &Device::Cpu)?,
-        slots,
+        StatePool {
+            states: pool,
+            slots: &Tensor::new(slots, &Device::Cpu)?,
+            host_slots: slots,
+        },
     )
 }
 

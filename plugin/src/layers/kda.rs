@@ -1,7 +1,7 @@
 //! KDA linear attention: packed q|k|v short conv with state, a per-channel
 //! forget gate, the gated delta rule in fp32, and a SiLU-gated output norm.
 
-use berrylm_kernels::KdaPrefillAlgorithm;
+use berrylm_kernels::{KdaPrefillAlgorithm, StatePool};
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::ops::sigmoid;
 
@@ -15,17 +15,7 @@ pub struct KdaState<'a> {
     /// `[B, conv_dim, Kc]`: the last `Kc` pre-conv q|k|v columns.
     pub conv: Tensor,
     /// The recurrent states, updated in place in the host's pool.
-    pub recurrent: PoolRows<'a>,
-}
-
-/// The rows of the host's recurrent state pool that a batch's sequences own.
-pub struct PoolRows<'a> {
-    /// `[S, Hv, dk, dv]`, f32: the pool.
-    pub states: &'a Tensor,
-    /// `[B]` u32 on the pool's device: each sequence's row.
-    pub slots: &'a Tensor,
-    /// The same rows on the host.
-    pub host_slots: &'a [u32],
+    pub recurrent: StatePool<'a>,
 }
 
 pub struct Kda {
@@ -148,7 +138,6 @@ impl Kda {
         } else {
             KdaPrefillAlgorithm::for_len(seq_len)
         };
-        let pool = &state.recurrent;
         let out = berrylm_kernels::kda_recurrence_in_pool_with(
             algorithm,
             &q,
@@ -156,9 +145,7 @@ impl Kda {
             &v,
             &gate,
             &beta,
-            pool.states,
-            pool.slots,
-            pool.host_slots,
+            state.recurrent,
         )?;
 
         let rows = batch * seq_len * self.num_value_heads;
