@@ -194,10 +194,11 @@ impl GatedAttention {
                 .contiguous()?
                 .reshape((b, kv_heads * groups, len, dim))
         };
-        let (k, v) = (repeat(k)?, repeat(v)?);
+        // The keys transposed once for every block of queries.
+        let (k_t, v) = (repeat(k)?.t()?.contiguous()?, repeat(v)?);
         let queries = q.dim(2)?;
         if queries <= QUERY_CHUNK {
-            return self.attend(q, &k, &v, mask);
+            return self.attend(q, &k_t, &v, mask);
         }
         // Long prompts in chunks of queries: the scores of a whole 16k-token
         // prompt would hold 2^32 elements per 16 heads, past what one kernel
@@ -208,16 +209,22 @@ impl GatedAttention {
             let rows = mask
                 .map(|mask| mask.narrow(mask.rank() - 2, start, len))
                 .transpose()?;
-            outputs.push(self.attend(&q.narrow(2, start, len)?, &k, &v, rows.as_ref())?);
+            outputs.push(self.attend(&q.narrow(2, start, len)?, &k_t, &v, rows.as_ref())?);
         }
         Tensor::cat(&outputs, 2)
     }
 
-    /// `softmax(q k^T * scale + mask) v` with `k`/`v` already repeated to the
-    /// query heads.
-    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+    /// `softmax(q k_t * scale + mask) v` with the keys `k_t` (transposed,
+    /// `[B, heads, hd, L]`) and `v` already repeated to the query heads.
+    fn attend(
+        &self,
+        q: &Tensor,
+        k_t: &Tensor,
+        v: &Tensor,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
         let scores = scale(
-            &matmul(&q.contiguous()?, &k.t()?.contiguous()?)?,
+            &matmul(&q.contiguous()?, k_t)?,
             f64::from(self.sdpa_params.softmax_scale),
         )?;
         let scores = match mask {
