@@ -90,7 +90,7 @@ impl Target {
     pub fn open(self) -> Result<Device> {
         match self {
             Target::Cpu => Ok(Device::Cpu),
-            Target::Cuda => Device::new_cuda(0).context(
+            Target::Cuda => berrylm::device::open_cuda(0).context(
                 "--device cuda: cannot open CUDA device 0 (is this a CUDA build? \
                  `cargo xtask align --device cuda ...` builds one)",
             ),

@@ -97,7 +97,7 @@ impl DeviceKind {
     pub fn open(self) -> Result<Device> {
         match self {
             DeviceKind::Cpu => Ok(Device::Cpu),
-            DeviceKind::Cuda => Device::new_cuda(0).context(
+            DeviceKind::Cuda => berrylm::device::open_cuda(0).context(
                 "opening CUDA device 0 (is this a CUDA build? `cargo xtask bench --device cuda`)",
             ),
         }

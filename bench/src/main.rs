@@ -83,6 +83,7 @@ fn run() -> Result<bool> {
     let mut report = bench.header();
 
     report["bandwidth"] = bench.bandwidth();
+    report["op_costs"] = bench.op_costs();
 
     let start = Instant::now();
     let model = shape::build_model(&shape, args.dtype.candle(), &device)?;
@@ -256,6 +257,40 @@ impl Bench<'_> {
                 })
             }
             Err(error) => self.failed(format!("copy bandwidth: {error:#}")),
+        }
+    }
+
+    fn op_costs(&mut self) -> Value {
+        println!();
+        println!(
+            "## Host cost per operation ({} back-to-back calls each, hidden {}, {}): µs per call \
+             until it returns (dispatch) and until its work is done",
+            measure::OP_COST_CALLS,
+            self.shape.hidden,
+            self.args.dtype.name()
+        );
+        println!("| operation | dispatch µs | total µs |");
+        println!("|---|---:|---:|");
+        match measure::op_costs(self.device, self.args.dtype.candle(), self.shape.hidden) {
+            Ok(costs) => Value::Array(
+                costs
+                    .iter()
+                    .map(|cost| {
+                        println!(
+                            "| {} | {:.1} | {:.1} |",
+                            cost.name,
+                            cost.dispatch_s * 1e6,
+                            cost.total_s * 1e6
+                        );
+                        json!({
+                            "operation": cost.name,
+                            "dispatch_us": cost.dispatch_s * 1e6,
+                            "total_us": cost.total_s * 1e6,
+                        })
+                    })
+                    .collect(),
+            ),
+            Err(error) => self.failed(format!("host cost per operation: {error:#}")),
         }
     }
 

@@ -7,7 +7,7 @@ use std::time::Instant;
 use anyhow::Result;
 use berrylm::driver::Driver;
 use berrylm::model::BerryLm;
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Module, Tensor};
 
 use crate::shape::ModelShape;
 
@@ -33,6 +33,88 @@ pub fn time_calls(
     }
     device.synchronize()?;
     Ok(start.elapsed().as_secs_f64() / iterations as f64)
+}
+
+/// The time one call of an operation takes on the host until it returns
+/// (for a GPU: with its work queued) and until its work is done, each per call
+/// over back-to-back calls.
+pub struct OpCost {
+    pub name: &'static str,
+    pub dispatch_s: f64,
+    pub total_s: f64,
+}
+
+/// Calls of each operation in [`op_costs`].
+pub const OP_COST_CALLS: usize = 2000;
+
+/// Host cost of the kinds of operation a decode step is made of, at batch-1
+/// decode sizes (`hidden` wide rows of `dtype`): candle's elementwise
+/// operations on contiguous and broadcast operands, a copy, a dtype
+/// conversion, a cuBLAS product with a projection weight, the plugin's own projection
+/// (the host's GEMV kernel on CUDA), one of the plugin's
+/// kernels, and a host-to-device upload. On a GPU a step is bound by the host
+/// when the sum of its operations' dispatch times exceeds its GPU time.
+pub fn op_costs(device: &Device, dtype: DType, hidden: usize) -> Result<Vec<OpCost>> {
+    let normal = |dims: &[usize]| -> Result<Tensor> {
+        Ok(Tensor::randn(0f32, 1.0, dims, device)?.to_dtype(dtype)?)
+    };
+    let (x, y, gate) = (normal(&[1, hidden])?, normal(&[1, hidden])?, normal(&[1, 1])?);
+    let wide = normal(&[2, 3 * hidden])?;
+    let weight = (normal(&[hidden, hidden])? * 0.02)?;
+    let scale = Tensor::ones(hidden, DType::F32, device)?;
+    let projection = berrylm::layers::linear::Linear::new(weight.clone(), None);
+    type Op<'a> = (&'static str, Box<dyn Fn() -> Result<Tensor> + 'a>);
+    let ops: Vec<Op> = vec![
+        ("add of two contiguous [1, H]", Box::new(|| Ok((&x + &y)?))),
+        (
+            "broadcast_mul [1, H] by [1, 1]",
+            Box::new(|| Ok(x.broadcast_mul(&gate)?)),
+        ),
+        (
+            "copy of a [2, H] slice of [2, 3H] (narrow + contiguous)",
+            Box::new(|| Ok(wide.narrow(1, hidden, hidden)?.contiguous()?)),
+        ),
+        (
+            "to_dtype f32 of [1, H]",
+            Box::new(|| Ok(x.to_dtype(DType::F32)?)),
+        ),
+        (
+            "matmul [1, H] x [H, H]^T (cuBLAS on a GPU)",
+            Box::new(|| Ok(berrylm::layers::ops::matmul(&x, &weight.t()?)?)),
+        ),
+        (
+            "the plugin's projection [1, H] -> [1, H] (Linear::forward)",
+            Box::new(|| Ok(projection.forward(&x)?)),
+        ),
+        (
+            "offset_rms_norm [1, H] (a berrylm kernel)",
+            Box::new(|| Ok(berrylm_kernels::offset_rms_norm(&x, &scale, 1e-6)?)),
+        ),
+        (
+            "upload of 64 f32 (Tensor::from_vec)",
+            Box::new(|| Ok(Tensor::from_vec(vec![0f32; 64], 64, device)?)),
+        ),
+    ];
+    let mut costs = Vec::with_capacity(ops.len());
+    for (name, op) in ops {
+        for _ in 0..10 {
+            drop(op()?);
+        }
+        device.synchronize()?;
+        let start = Instant::now();
+        for _ in 0..OP_COST_CALLS {
+            drop(op()?);
+        }
+        let dispatch_s = start.elapsed().as_secs_f64() / OP_COST_CALLS as f64;
+        device.synchronize()?;
+        let total_s = start.elapsed().as_secs_f64() / OP_COST_CALLS as f64;
+        costs.push(OpCost {
+            name,
+            dispatch_s,
+            total_s,
+        });
+    }
+    Ok(costs)
 }
 
 /// Deterministic pseudo-random token ids (splitmix64).

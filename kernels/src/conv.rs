@@ -2,12 +2,17 @@
 
 use candle_core::{Device, Tensor};
 
+use crate::recurrence::{expect_cpu_slots, validate_slots};
 use crate::{
     expect_device, expect_dim, float_dims, invalid_argument, round_to_dtype, silu, tensor_from_f32,
-    to_f32_vec, unsupported_device, Result,
+    to_f32_vec, unsupported_device, Result, StatePool,
 };
 
 const OP: &str = "causal_conv1d";
+
+/// The most output groups [`causal_conv1d_split`] takes (`kMaxGroups` in
+/// conv.cu).
+pub const MAX_CONV_OUTPUT_GROUPS: usize = 4;
 
 /// Sizes of one `causal_conv1d` call.
 struct ConvDims {
@@ -34,9 +39,157 @@ struct ConvDims {
 /// dtype of state)`, where the new state is the last `K` columns of `xs`. Any
 /// `T` works, including `T = 1` (a decode step) and `T < K`.
 pub fn causal_conv1d(x: &Tensor, weight: &Tensor, state: &Tensor) -> Result<(Tensor, Tensor)> {
-    let [batch, seq_len, channels] = float_dims::<3>(OP, "x", x)?;
-    let [weight_channels, kernel_size] = float_dims::<2>(OP, "weight", weight)?;
+    let channels = float_dims::<3>(OP, "x", x)?[2];
+    let (mut outputs, new_state) = causal_conv1d_split(x, weight, state, &[channels])?;
+    Ok((outputs.remove(0), new_state))
+}
+
+/// [`causal_conv1d`] with its output channels split into consecutive groups
+/// of `widths` channels (positive, summing to `C`, at most
+/// [`MAX_CONV_OUTPUT_GROUPS`]), each returned as its own contiguous
+/// `[B, T, width]` tensor: a KDA layer's packed `q | k | v` come out as the
+/// three tensors its recurrence reads, without copies.
+pub fn causal_conv1d_split(
+    x: &Tensor,
+    weight: &Tensor,
+    state: &Tensor,
+    widths: &[usize],
+) -> Result<(Vec<Tensor>, Tensor)> {
+    let dims = validate(x, weight, widths)?;
     let [state_batch, state_channels, state_columns] = float_dims::<3>(OP, "state", state)?;
+    expect_dim(OP, "state", "batch size (dim 0)", state_batch, dims.batch)?;
+    expect_dim(
+        OP,
+        "state",
+        "channel count (dim 1)",
+        state_channels,
+        dims.channels,
+    )?;
+    expect_dim(
+        OP,
+        "state",
+        "column count (dim 2)",
+        state_columns,
+        dims.kernel_size,
+    )?;
+    expect_device(OP, "state", state, x.device())?;
+    match x.device() {
+        Device::Cpu => {
+            let (output, new_state) = cpu_causal_conv1d(x, weight, state, &dims)?;
+            Ok((split_channels(&output, widths)?, new_state))
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => crate::cuda::causal_conv1d(
+            x,
+            weight,
+            state,
+            widths,
+            dims.batch,
+            dims.seq_len,
+            dims.kernel_size,
+        ),
+        other => Err(unsupported_device(OP, other)),
+    }
+}
+
+/// [`causal_conv1d_split`] for `B` sequences whose states are rows
+/// `slots[b]` of a conv state pool, updated in place.
+///
+/// * `x`, `weight`, `widths`: as for [`causal_conv1d_split`] (same shapes,
+///   validation, arithmetic, rounding and outputs).
+/// * `pool`: the pool and the batch's rows in it ([`StatePool`]);
+///   `pool.states` is `[S, C, K]` in any float dtype the convolution takes
+///   for its state, contiguous (a view at an offset is fine).
+///
+/// Sequence `b` starts from row `slots[b]` of `pool.states`, exactly as
+/// [`causal_conv1d_split`] starts from `state[b]`. Before returning, that row
+/// holds the new state [`causal_conv1d_split`] returns for it (the last `K`
+/// columns of `concat(old row, x[b, :, c])`, rounded to the pool's dtype:
+/// copied values, exact when the pool's dtype holds those of `x`); no other
+/// row is written. The write goes into the pool's storage, so every tensor
+/// sharing it sees the new states. Returns the outputs, one `[B, T, width]`
+/// tensor in the dtype of `x` per entry of `widths`, bit for bit those of
+/// [`causal_conv1d_split`] on the gathered rows (on CUDA with the same
+/// kernel code).
+///
+/// The slots are validated as for [`crate::kda_recurrence_in_pool`]
+/// (`host_slots`: `B` distinct values `< S`; `slots`: `u32` `[B]`, on the CPU
+/// equal to `host_slots`). On CUDA a sequence whose `slots` entry is `>= S`
+/// is left alone (its outputs unspecified), so a disagreeing `slots` never
+/// writes outside the pool. No input may share storage with `pool.states`.
+pub fn causal_conv1d_split_in_pool(
+    x: &Tensor,
+    weight: &Tensor,
+    pool: StatePool<'_>,
+    widths: &[usize],
+) -> Result<Vec<Tensor>> {
+    let StatePool {
+        states,
+        slots,
+        host_slots,
+    } = pool;
+    let dims = validate(x, weight, widths)?;
+    let [pool_rows, pool_channels, pool_columns] = float_dims::<3>(OP, "pool", states)?;
+    expect_dim(
+        OP,
+        "pool",
+        "channel count (dim 1)",
+        pool_channels,
+        dims.channels,
+    )?;
+    expect_dim(
+        OP,
+        "pool",
+        "column count (dim 2)",
+        pool_columns,
+        dims.kernel_size,
+    )?;
+    if !states.is_contiguous() {
+        return Err(invalid_argument(
+            OP,
+            "pool",
+            "must be contiguous (it is updated in place)".to_string(),
+        ));
+    }
+    validate_slots(OP, slots, host_slots, pool_rows, dims.batch)?;
+    for (arg, tensor) in [("pool", states), ("slots", slots)] {
+        expect_device(OP, arg, tensor, x.device())?;
+    }
+    match x.device() {
+        Device::Cpu => {
+            expect_cpu_slots(OP, slots, host_slots)?;
+            let state = states.index_select(slots, 0)?;
+            let (output, new_state) = cpu_causal_conv1d(x, weight, &state, &dims)?;
+            for (row, &slot) in host_slots.iter().enumerate() {
+                states.slice_set(&new_state.narrow(0, row, 1)?, 0, slot as usize)?;
+            }
+            split_channels(&output, widths)
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => crate::cuda::causal_conv1d_in_pool(x, weight, states, slots, widths),
+        other => Err(unsupported_device(OP, other)),
+    }
+}
+
+/// Validates `x`, `weight` and `widths` of a convolution call and returns
+/// its sizes.
+fn validate(x: &Tensor, weight: &Tensor, widths: &[usize]) -> Result<ConvDims> {
+    let [batch, seq_len, channels] = float_dims::<3>(OP, "x", x)?;
+    if widths.is_empty()
+        || widths.len() > MAX_CONV_OUTPUT_GROUPS
+        || widths.contains(&0)
+        || widths.iter().sum::<usize>() != channels
+    {
+        return Err(invalid_argument(
+            OP,
+            "widths",
+            format!(
+                "{widths:?} must be 1 to {MAX_CONV_OUTPUT_GROUPS} positive widths summing to the \
+                 {channels} channels of `x`"
+            ),
+        ));
+    }
+    let [weight_channels, kernel_size] = float_dims::<2>(OP, "weight", weight)?;
     if kernel_size == 0 {
         return Err(invalid_argument(
             OP,
@@ -51,44 +204,25 @@ pub fn causal_conv1d(x: &Tensor, weight: &Tensor, state: &Tensor) -> Result<(Ten
         weight_channels,
         channels,
     )?;
-    expect_dim(OP, "state", "batch size (dim 0)", state_batch, batch)?;
-    expect_dim(
-        OP,
-        "state",
-        "channel count (dim 1)",
-        state_channels,
-        channels,
-    )?;
-    expect_dim(
-        OP,
-        "state",
-        "column count (dim 2)",
-        state_columns,
-        kernel_size,
-    )?;
-    let device = x.device();
-    expect_device(OP, "weight", weight, device)?;
-    expect_device(OP, "state", state, device)?;
-    let dims = ConvDims {
+    expect_device(OP, "weight", weight, x.device())?;
+    Ok(ConvDims {
         batch,
         seq_len,
         channels,
         kernel_size,
-    };
-    match device {
-        Device::Cpu => cpu_causal_conv1d(x, weight, state, &dims),
-        #[cfg(feature = "cuda")]
-        Device::Cuda(_) => crate::cuda::causal_conv1d(
-            x,
-            weight,
-            state,
-            dims.batch,
-            dims.seq_len,
-            dims.channels,
-            dims.kernel_size,
-        ),
-        other => Err(unsupported_device(OP, other)),
+    })
+}
+
+/// The CPU output `[B, T, C]` as one contiguous `[B, T, width]` tensor per
+/// group of `widths` consecutive channels.
+fn split_channels(output: &Tensor, widths: &[usize]) -> Result<Vec<Tensor>> {
+    let mut start = 0;
+    let mut outputs = Vec::with_capacity(widths.len());
+    for &width in widths {
+        outputs.push(output.narrow(2, start, width)?.contiguous()?);
+        start += width;
     }
+    Ok(outputs)
 }
 
 fn cpu_causal_conv1d(

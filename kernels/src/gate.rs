@@ -1,4 +1,4 @@
-//! KDA forget gate (spec 3.6 step 3).
+//! KDA forget gate and write strength (spec 3.6 step 3).
 
 use candle_core::{DType, Device, Tensor};
 
@@ -8,6 +8,7 @@ use crate::{
 };
 
 const OP: &str = "kda_gate";
+const BETA_OP: &str = "kda_beta";
 
 /// Inputs above this value make softplus return its input (PyTorch's
 /// `F.softplus(x, beta=1, threshold=20)`).
@@ -103,5 +104,28 @@ fn softplus(x: f32) -> f32 {
         x
     } else {
         x.exp().ln_1p()
+    }
+}
+
+/// The KDA write strength `beta = sigmoid(b)`, computed in `f32` as
+/// `1 / (exp(-b) + 1)` (the reference's `b.float().sigmoid()`; candle's CPU
+/// sigmoid evaluates the same expression).
+///
+/// * `b`: any shape, any float dtype (the `in_proj_b` projection).
+///
+/// Returns a tensor of the shape of `b` in `f32`, one launch on CUDA.
+pub fn kda_beta(b: &Tensor) -> Result<Tensor> {
+    crate::expect_float_dtype(BETA_OP, "b", b.dtype())?;
+    match b.device() {
+        Device::Cpu => {
+            let beta = to_f32_vec(b)?
+                .into_iter()
+                .map(|x| 1.0 / ((-x).exp() + 1.0))
+                .collect();
+            tensor_from_f32(beta, b.dims(), DType::F32)
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => crate::cuda::kda_beta(b),
+        other => Err(unsupported_device(BETA_OP, other)),
     }
 }

@@ -112,6 +112,65 @@ fn cpu_gated_rms_norm(
 /// `broadcast_div`, `broadcast_mul(scale)`, `to(dtype)`, so results are those
 /// of that sequence bit for bit.
 pub fn offset_rms_norm(x: &Tensor, scale: &Tensor, eps: f64) -> Result<Tensor> {
+    validate_offset_norm(x, scale)?;
+    match x.device() {
+        Device::Cpu => cpu_offset_rms_norm(x, scale, eps),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => Ok(crate::cuda::offset_rms_norm(x, None, scale, eps)?.0),
+        other => Err(unsupported_device(OFFSET_OP, other)),
+    }
+}
+
+/// A residual add followed by [`offset_rms_norm`] of its result, in one
+/// call: returns `(sum, offset_rms_norm(sum, scale, eps))` with
+/// `sum = round(x + delta)` (in f32, rounded to the dtype of `x`, as
+/// candle's and PyTorch's addition in that dtype).
+///
+/// * `x`, `delta`: the same shape and dtype (the residual stream and a
+///   layer's output).
+/// * `scale`: as for [`offset_rms_norm`].
+pub fn add_offset_rms_norm(
+    x: &Tensor,
+    delta: &Tensor,
+    scale: &Tensor,
+    eps: f64,
+) -> Result<(Tensor, Tensor)> {
+    validate_offset_norm(x, scale)?;
+    if delta.dims() != x.dims() || delta.dtype() != x.dtype() {
+        return Err(invalid_argument(
+            OFFSET_OP,
+            "delta",
+            format!(
+                "{:?} {:?} differs from `x`'s {:?} {:?}",
+                delta.dtype(),
+                delta.dims(),
+                x.dtype(),
+                x.dims()
+            ),
+        ));
+    }
+    expect_device(OFFSET_OP, "delta", delta, x.device())?;
+    match x.device() {
+        Device::Cpu => {
+            let sum = (x + delta)?;
+            let normed = cpu_offset_rms_norm(&sum, scale, eps)?;
+            Ok((sum, normed))
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            let (normed, sum) = crate::cuda::offset_rms_norm(x, Some(delta), scale, eps)?;
+            let sum = sum.ok_or_else(|| {
+                invalid_argument(OFFSET_OP, "delta", "the kernel returned no sum".to_string())
+            })?;
+            Ok((sum, normed))
+        }
+        other => Err(unsupported_device(OFFSET_OP, other)),
+    }
+}
+
+/// Validates `offset_rms_norm`'s `x` (rank at least 1, a positive last
+/// dimension) and `scale`.
+fn validate_offset_norm(x: &Tensor, scale: &Tensor) -> Result<()> {
     expect_float_dtype(OFFSET_OP, "x", x.dtype())?;
     let Some(&width) = x.dims().last() else {
         return Err(invalid_argument(
@@ -139,17 +198,12 @@ pub fn offset_rms_norm(x: &Tensor, scale: &Tensor, eps: f64) -> Result<Tensor> {
         ));
     }
     expect_dim(OFFSET_OP, "scale", "length", scale_len, width)?;
-    let device = x.device();
-    expect_device(OFFSET_OP, "scale", scale, device)?;
-    match device {
-        Device::Cpu => cpu_offset_rms_norm(x, scale, eps),
-        #[cfg(feature = "cuda")]
-        Device::Cuda(_) => crate::cuda::offset_rms_norm(x, scale, eps, width),
-        other => Err(unsupported_device(OFFSET_OP, other)),
-    }
+    expect_device(OFFSET_OP, "scale", scale, x.device())
 }
 
-fn cpu_offset_rms_norm(x: &Tensor, scale: &Tensor, eps: f64) -> Result<Tensor> {
+/// The CPU `offset_rms_norm` (candle's op sequence, for any layout of `x`),
+/// also the first step of the CPU `offset_rms_norm_rope`.
+pub(crate) fn cpu_offset_rms_norm(x: &Tensor, scale: &Tensor, eps: f64) -> Result<Tensor> {
     let dtype = x.dtype();
     let x = x.to_dtype(DType::F32)?;
     let mean_square = x.sqr()?.mean_keepdim(D::Minus1)?;

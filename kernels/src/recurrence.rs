@@ -152,11 +152,18 @@ pub fn kda_recurrence_with(
 
 const POOL_OP: &str = "kda_recurrence_in_pool";
 
-/// The rows of an `f32` recurrent state pool that a batch's sequences own.
+/// The rows of a state pool that a batch's sequences own: a pool of `S`
+/// per-sequence states, read and updated in place by the functions taking
+/// it, which touch only the batch's rows.
+///
+/// Used for the recurrent states of [`kda_recurrence_in_pool`] and the conv
+/// states of [`crate::causal_conv1d_split_in_pool`]; each function documents
+/// the shape and dtype its pool must have.
 #[derive(Clone, Copy)]
 pub struct StatePool<'a> {
-    /// `[S, Hv, dk, dv]`, `f32`, contiguous (a view at an offset is fine);
-    /// row `s` is the state of whichever sequence owns slot `s`.
+    /// `[S, ...]`, contiguous (a view at an offset is fine); row `s` is the
+    /// state of whichever sequence owns slot `s`: `[S, Hv, dk, dv]` `f32`
+    /// recurrent states, or `[S, C, K]` conv states.
     pub states: &'a Tensor,
     /// `[B]`, `u32`, on the device of the other tensors: the pool row of each
     /// sequence. The kernels read it on the device.
@@ -174,7 +181,8 @@ pub struct StatePool<'a> {
 /// * `q`, `k`, `v`, `g`, `beta`: as for [`kda_recurrence`] (same shapes,
 ///   dtypes, validation and arithmetic; the prefill algorithm is chosen by
 ///   `T` the same way).
-/// * `pool`: the state pool and the batch's rows in it ([`StatePool`]).
+/// * `pool`: the state pool and the batch's rows in it ([`StatePool`]);
+///   `pool.states` is `[S, Hv, dk, dv]`, `f32`, contiguous.
 ///
 /// Before returning, row `slots[b]` of `pool.states` holds the final state that
 /// [`kda_recurrence`] returns for sequence `b` started from that row (bit
@@ -216,7 +224,7 @@ pub fn kda_recurrence_in_pool_with(
     } = pool;
     let dims = validate_tokens(POOL_OP, q, k, v, g, beta)?;
     let pool_rows = validate_pool(pool, &dims)?;
-    validate_slots(slots, host_slots, pool_rows, &dims)?;
+    validate_slots(POOL_OP, slots, host_slots, pool_rows, dims.batch)?;
     for (arg, tensor) in [("pool", pool), ("slots", slots)] {
         expect_device(POOL_OP, arg, tensor, q.device())?;
     }
@@ -224,14 +232,7 @@ pub fn kda_recurrence_in_pool_with(
         Device::Cpu => {
             // One reference for both algorithms (the choice is CUDA-only).
             let _ = algorithm;
-            let cpu_slots = slots.to_vec1::<u32>()?;
-            if cpu_slots != host_slots {
-                return Err(invalid_argument(
-                    POOL_OP,
-                    "slots",
-                    format!("values {cpu_slots:?} differ from `host_slots` {host_slots:?}"),
-                ));
-            }
+            expect_cpu_slots(POOL_OP, slots, host_slots)?;
             let state = pool.index_select(slots, 0)?;
             let (output, final_state) = cpu_kda_recurrence(q, k, v, g, beta, &state, &dims)?;
             for (row, &slot) in host_slots.iter().enumerate() {
@@ -287,38 +288,34 @@ fn validate_pool(pool: &Tensor, dims: &RecurrenceDims) -> Result<usize> {
     Ok(rows)
 }
 
-/// Validates the slots of [`kda_recurrence_in_pool`]: `slots` a `u32`
-/// tensor `[B]`, `host_slots` `B` distinct values below `pool_rows`.
-fn validate_slots(
+/// Validates the slots of a [`StatePool`] call of `op` for `batch`
+/// sequences: `slots` a `u32` tensor `[B]`, `host_slots` `B` distinct values
+/// below `pool_rows`.
+pub(crate) fn validate_slots(
+    op: &'static str,
     slots: &Tensor,
     host_slots: &[u32],
     pool_rows: usize,
-    dims: &RecurrenceDims,
+    batch: usize,
 ) -> Result<()> {
     if slots.dtype() != DType::U32 {
         return Err(invalid_argument(
-            POOL_OP,
+            op,
             "slots",
             format!("dtype {:?}, expected u32", slots.dtype()),
         ));
     }
-    if slots.dims() != [dims.batch] {
+    if slots.dims() != [batch] {
         return Err(invalid_argument(
-            POOL_OP,
+            op,
             "slots",
-            format!("shape {:?}, expected [B] = [{}]", slots.dims(), dims.batch),
+            format!("shape {:?}, expected [B] = [{batch}]", slots.dims()),
         ));
     }
-    expect_dim(
-        POOL_OP,
-        "host_slots",
-        "length",
-        host_slots.len(),
-        dims.batch,
-    )?;
+    expect_dim(op, "host_slots", "length", host_slots.len(), batch)?;
     if let Some(&slot) = host_slots.iter().find(|&&slot| slot as usize >= pool_rows) {
         return Err(invalid_argument(
-            POOL_OP,
+            op,
             "host_slots",
             format!("slot {slot} is out of range for a pool of {pool_rows} rows"),
         ));
@@ -327,9 +324,23 @@ fn validate_slots(
     sorted.sort_unstable();
     if let Some(pair) = sorted.windows(2).find(|pair| pair[0] == pair[1]) {
         return Err(invalid_argument(
-            POOL_OP,
+            op,
             "host_slots",
             format!("slot {} appears more than once", pair[0]),
+        ));
+    }
+    Ok(())
+}
+
+/// Fails unless the CPU tensor `slots` holds the values of `host_slots` (a
+/// check only the CPU path makes: on CUDA it would copy `slots` back).
+pub(crate) fn expect_cpu_slots(op: &'static str, slots: &Tensor, host_slots: &[u32]) -> Result<()> {
+    let cpu_slots = slots.to_vec1::<u32>()?;
+    if cpu_slots != host_slots {
+        return Err(invalid_argument(
+            op,
+            "slots",
+            format!("values {cpu_slots:?} differ from `host_slots` {host_slots:?}"),
         ));
     }
     Ok(())

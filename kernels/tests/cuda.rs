@@ -14,8 +14,10 @@
 mod common;
 
 use berrylm_kernels::{
-    attn_res_mix, causal_conv1d, gated_rms_norm, kda_gate, kda_recurrence, kda_recurrence_in_pool,
-    kda_recurrence_with, moe_route, offset_rms_norm, KdaPrefillAlgorithm, KernelError, Result,
+    add_moe_output, add_offset_rms_norm, attn_res_mix, causal_conv1d, causal_conv1d_split,
+    causal_conv1d_split_in_pool, gated_rms_norm, kda_beta, kda_gate, kda_recurrence,
+    kda_recurrence_in_pool, kda_recurrence_with, moe_experts, moe_route, offset_rms_norm,
+    offset_rms_norm_rope, sigmoid_gate_mul, swiglu, KdaPrefillAlgorithm, KernelError, Result,
     StatePool,
 };
 use std::sync::OnceLock;
@@ -108,8 +110,25 @@ fn output_tol(dtype: DType) -> Tol {
 }
 
 /// Compares a CUDA result with the CPU reference: same shape and dtype, and
-/// values within `tol`. Returns the number of elements that differ at all.
+/// values within `tol`; in half precision, at most 2 % of the values may
+/// differ at all (a single rounding flips rarely). Returns the number of
+/// elements that differ.
 fn compare(what: &str, cuda: &Tensor, cpu: &Tensor, tol: Tol) -> Result<usize> {
+    let differing = within(what, cuda, cpu, tol)?;
+    if matches!(cpu.dtype(), DType::BF16 | DType::F16) {
+        // Rounding flips are rare; a systematic error would touch many.
+        assert!(
+            differing <= cpu.elem_count() / 50 + 2,
+            "{what}: {differing} of {} half-precision values differ",
+            cpu.elem_count()
+        );
+    }
+    Ok(differing)
+}
+
+/// Same shape and dtype, values within `tol`; returns the number of
+/// elements that differ at all.
+fn within(what: &str, cuda: &Tensor, cpu: &Tensor, tol: Tol) -> Result<usize> {
     assert_eq!(cuda.dims(), cpu.dims(), "{what}: shapes differ");
     assert_eq!(cuda.dtype(), cpu.dtype(), "{what}: dtypes differ");
     assert!(cuda.device().is_cuda(), "{what}: result is not on the GPU");
@@ -139,14 +158,6 @@ fn compare(what: &str, cuda: &Tensor, cpu: &Tensor, tol: Tol) -> Result<usize> {
         want.len(),
         worst.1
     );
-    if matches!(cpu.dtype(), DType::BF16 | DType::F16) {
-        // Rounding flips are rare; a systematic error would touch many.
-        assert!(
-            differing <= want.len() / 50 + 2,
-            "{what}: {differing} of {} half-precision values differ",
-            want.len()
-        );
-    }
     Ok(differing)
 }
 
@@ -157,6 +168,21 @@ fn identical(what: &str, cuda: &Tensor, cpu: &Tensor) -> Result<()> {
 }
 
 // ---------------------------------------------------------------- kda_gate
+
+#[test]
+fn beta_matches_cpu() -> Result<()> {
+    let mut rng = Rng::new(2700);
+    for (tokens, dtype) in [(1, DType::BF16), (64, DType::F32), (300, DType::F16)] {
+        let b = random(&mut rng, &[tokens, HV], -12.0, 12.0, dtype)?;
+        compare(
+            &format!("kda_beta [{tokens}, {HV}] {dtype:?}"),
+            &kda_beta(&to_gpu(&b, &gpu())?)?,
+            &kda_beta(&b)?,
+            TIGHT,
+        )?;
+    }
+    Ok(())
+}
 
 fn gate_case(seed: u64, tokens: usize, heads: usize, dk: usize, dtype: DType) -> Result<()> {
     let dev = gpu();
@@ -263,6 +289,41 @@ fn conv_case(seed: u64, case: &ConvCase) -> Result<()> {
     );
     compare(&what, &out_cuda, &out_cpu, output_tol(x_dtype))?;
     identical(&format!("{what} new state"), &state_cuda, &state_cpu)?;
+    Ok(())
+}
+
+/// The KDA layer's call: q | k | v as three outputs, at decode and prefill.
+#[test]
+fn conv_split_matches_cpu_at_model_shapes() -> Result<()> {
+    let dev = gpu();
+    let widths = [HK * DK, HK * DK, HV * DV];
+    let mut seed = 2400;
+    for (batch, seq_len) in [(1, 1), (8, 1), (1, 200)] {
+        for dtype in [DType::F32, DType::BF16] {
+            seed += 1;
+            let mut rng = Rng::new(seed);
+            let x = random(&mut rng, &[batch, seq_len, CONV_DIM], -2.0, 2.0, dtype)?;
+            let weight = random(&mut rng, &[CONV_DIM, CONV_K], -0.6, 0.6, DType::F32)?;
+            let state = random(&mut rng, &[batch, CONV_DIM, CONV_K], -2.0, 2.0, DType::F32)?;
+            let (parts_cpu, state_cpu) = causal_conv1d_split(&x, &weight, &state, &widths)?;
+            let (parts_cuda, state_cuda) = causal_conv1d_split(
+                &to_gpu(&x, &dev)?,
+                &to_gpu(&weight, &dev)?,
+                &to_gpu(&state, &dev)?,
+                &widths,
+            )?;
+            let what = format!("causal_conv1d_split B={batch} T={seq_len} {dtype:?}");
+            for (index, (cuda, cpu)) in parts_cuda.iter().zip(&parts_cpu).enumerate() {
+                compare(
+                    &format!("{what} part {index}"),
+                    cuda,
+                    cpu,
+                    output_tol(dtype),
+                )?;
+            }
+            identical(&format!("{what} new state"), &state_cuda, &state_cpu)?;
+        }
+    }
     Ok(())
 }
 
@@ -1121,6 +1182,39 @@ fn offset_norm_matches_cpu_at_model_shapes() -> Result<()> {
     Ok(())
 }
 
+/// The residual add and norm of a decoder layer, at its shapes: the sum
+/// bit for bit (one rounding of an f32 addition), the norm as above.
+#[test]
+fn add_offset_norm_matches_cpu() -> Result<()> {
+    let mut seed = 2800;
+    for rows in [1, 7, 300] {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            seed += 1;
+            let mut rng = Rng::new(seed);
+            let x = random(&mut rng, &[rows, HIDDEN], -3.0, 3.0, dtype)?;
+            let delta = random(&mut rng, &[rows, HIDDEN], -1.0, 1.0, dtype)?;
+            let scale = random(&mut rng, &[HIDDEN], 0.5, 1.5, DType::F32)?;
+            let (sum_cpu, normed_cpu) = add_offset_rms_norm(&x, &delta, &scale, 1e-6)?;
+            let dev = gpu();
+            let (sum_cuda, normed_cuda) = add_offset_rms_norm(
+                &to_gpu(&x, &dev)?,
+                &to_gpu(&delta, &dev)?,
+                &to_gpu(&scale, &dev)?,
+                1e-6,
+            )?;
+            let what = format!("add_offset_rms_norm [{rows}, {HIDDEN}] {dtype:?}");
+            identical(&format!("{what} sum"), &sum_cuda, &sum_cpu)?;
+            compare(
+                &what,
+                &normed_cuda,
+                &normed_cpu,
+                offset_norm_tol(HIDDEN, dtype),
+            )?;
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn offset_norm_matches_cpu_at_odd_widths_and_layouts() -> Result<()> {
     let mut seed = 1700;
@@ -1440,5 +1534,442 @@ fn kda_layer_pipeline_matches_cpu() -> Result<()> {
             rtol: 2e-2,
         },
     )?;
+    Ok(())
+}
+
+// ------------------------------------------------- swiglu, add_moe_output
+
+/// Expert width of the shared expert and of each routed expert.
+const MOE_INTERMEDIATE: usize = 512;
+
+#[test]
+fn swiglu_matches_cpu_at_model_shapes() -> Result<()> {
+    let mut seed = 2100;
+    for rows in [1, 8, 300] {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            seed += 1;
+            let mut rng = Rng::new(seed);
+            let gate_up = random(&mut rng, &[rows, 2 * MOE_INTERMEDIATE], -6.0, 6.0, dtype)?;
+            let cpu = swiglu(&gate_up)?;
+            let cuda = swiglu(&to_gpu(&gate_up, &gpu())?)?;
+            compare(
+                &format!("swiglu [{rows}, {}] {dtype:?}", 2 * MOE_INTERMEDIATE),
+                &cuda,
+                &cpu,
+                output_tol(dtype),
+            )?;
+        }
+    }
+    // Rank 3 and an odd width.
+    let mut rng = Rng::new(2200);
+    let gate_up = random(&mut rng, &[2, 3, 2 * 37], -6.0, 6.0, DType::BF16)?;
+    compare(
+        "swiglu [2, 3, 74] bf16",
+        &swiglu(&to_gpu(&gate_up, &gpu())?)?,
+        &swiglu(&gate_up)?,
+        output_tol(DType::BF16),
+    )?;
+    Ok(())
+}
+
+#[test]
+fn add_moe_output_matches_cpu_at_model_shapes() -> Result<()> {
+    let mut seed = 2300;
+    for rows in [1, 8, 300] {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            seed += 1;
+            let mut rng = Rng::new(seed);
+            let residual = random(&mut rng, &[rows, HIDDEN], -8.0, 8.0, dtype)?;
+            let routed = random(&mut rng, &[rows, HIDDEN], -2.0, 2.0, dtype)?;
+            let shared = random(&mut rng, &[rows, HIDDEN], -2.0, 2.0, dtype)?;
+            let logit = random(&mut rng, &[rows, 1], -6.0, 6.0, dtype)?;
+            let cpu = add_moe_output(&residual, &routed, &shared, &logit)?;
+            let device = gpu();
+            let cuda = add_moe_output(
+                &to_gpu(&residual, &device)?,
+                &to_gpu(&routed, &device)?,
+                &to_gpu(&shared, &device)?,
+                &to_gpu(&logit, &device)?,
+            )?;
+            compare(
+                &format!("add_moe_output [{rows}, {HIDDEN}] {dtype:?}"),
+                &cuda,
+                &cpu,
+                output_tol(dtype),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+// --------------------------------- offset_rms_norm_rope, sigmoid_gate_mul
+
+/// Rotated channels of the full-attention heads (a quarter of `HEAD_DIM`).
+const ROTARY: usize = 64;
+/// Key/value heads of the full-attention layers.
+const KV_HEADS: usize = 2;
+
+/// cos and sin `[B, T, rotary]` on the CPU for rows at positions `offset + t`
+/// (`offsets[b]` for row b), built as the model builds them: angles in f32,
+/// each frequency twice, rounded to `dtype`.
+fn rope_tables(
+    offsets: &[usize],
+    seq_len: usize,
+    rotary: usize,
+    dtype: DType,
+) -> Result<(Tensor, Tensor)> {
+    let half = rotary / 2;
+    let inv_freq: Vec<f32> = (0..half)
+        .map(|j| 1.0 / 10_000f32.powf((2 * j) as f32 / rotary as f32))
+        .collect();
+    let mut angles = Vec::with_capacity(offsets.len() * seq_len * rotary);
+    for &offset in offsets {
+        for position in offset..offset + seq_len {
+            let row: Vec<f32> = inv_freq.iter().map(|f| position as f32 * f).collect();
+            angles.extend_from_slice(&row);
+            angles.extend_from_slice(&row);
+        }
+    }
+    let angles = tensor(angles, &[offsets.len(), seq_len, rotary])?;
+    Ok((
+        angles.cos()?.to_dtype(dtype)?,
+        angles.sin()?.to_dtype(dtype)?,
+    ))
+}
+
+/// Tolerance of `offset_rms_norm_rope` at head dim `width`, as a multiple of
+/// the largest output magnitude `S` (an absolute tolerance only: a rotated
+/// channel is a sum of two products that can cancel).
+///
+/// Every normalised value `n` differs between the devices by at most
+/// `r|n| + a`, with `r` and `a` those of [`offset_norm_tol`]. A rotated
+/// channel is `round(round(n c) + round(m s))` with `|c| + |s| <= sqrt(2)`; a
+/// pair of rotated channels keeps the length of its pair of `n` (up to the
+/// rounding of the tables and outputs), so `|n|, |m| <= sqrt(2) S`, the
+/// products' magnitudes add up to at most `2S` and the output's is at most
+/// `S`. The products then differ by at most `sqrt(2)(r sqrt(2) S + a)`
+/// together, plus one step `e` (relative) of the dtype each where their
+/// roundings flip, and the sum by one more: `2rS + 2a + 3eS`, plus one step
+/// `eS` for the rounded tables' and outputs' share in the length argument.
+/// `e` is 2^-7 for bf16, 2^-10 for f16 and, in f32, `2u` (each device
+/// rounds once). Pass-through channels are within `rS + a`.
+fn rope_tol(width: usize, dtype: DType) -> Tol {
+    let norm = offset_norm_tol(width, dtype);
+    let step = match dtype {
+        DType::BF16 => 1.0 / 128.0,
+        DType::F16 => 1.0 / 1024.0,
+        _ => 2.0 * F32_U,
+    };
+    Tol {
+        atol: 2.0 * norm.rtol + 2.0 * norm.atol + 4.0 * step,
+        rtol: 0.0,
+    }
+}
+
+/// `offset_rms_norm_rope` of `x` on the CPU and of `x_gpu` (the same view of
+/// a copy) on the GPU.
+fn rope_check(
+    what: &str,
+    x: &Tensor,
+    x_gpu: &Tensor,
+    scale: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+) -> Result<()> {
+    let device = gpu();
+    let cpu = offset_rms_norm_rope(x, scale, 1e-6, cos, sin)?;
+    let cuda = offset_rms_norm_rope(
+        x_gpu,
+        &to_gpu(scale, &device)?,
+        1e-6,
+        &to_gpu(cos, &device)?,
+        &to_gpu(sin, &device)?,
+    )?;
+    assert!(cuda.is_contiguous(), "{what}: result is not contiguous");
+    compare(what, &cuda, &cpu, rope_tol(x.dims()[3], x.dtype()))?;
+    Ok(())
+}
+
+#[test]
+fn offset_norm_rope_matches_cpu_at_model_shapes() -> Result<()> {
+    let mut seed = 2400;
+    for (batch, seq_len) in [(1, 1), (4, 1), (1, 37), (4, 37)] {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            for rotary in [ROTARY, HEAD_DIM] {
+                seed += 1;
+                let mut rng = Rng::new(seed);
+                let offsets: Vec<usize> = (0..batch).map(|b| 1000 * b + 3).collect();
+                let (cos, sin) = rope_tables(&offsets, seq_len, rotary, dtype)?;
+                let scale = random(&mut rng, &[HEAD_DIM], 0.5, 1.5, DType::F32)?;
+                // q: the first half of each head of the interleaved q | gate
+                // projection, read in place (rows 2 * HEAD_DIM apart).
+                let q2 = random(
+                    &mut rng,
+                    &[batch, seq_len, HEADS, 2 * HEAD_DIM],
+                    -3.0,
+                    3.0,
+                    dtype,
+                )?;
+                let q2_gpu = to_gpu(&q2, &gpu())?;
+                rope_check(
+                    &format!("offset_rms_norm_rope q [{batch}, {seq_len}] R {rotary} {dtype:?}"),
+                    &q2.narrow(3, 0, HEAD_DIM)?,
+                    &q2_gpu.narrow(3, 0, HEAD_DIM)?,
+                    &scale,
+                    &cos,
+                    &sin,
+                )?;
+                // k: contiguous.
+                let k = random(
+                    &mut rng,
+                    &[batch, seq_len, KV_HEADS, HEAD_DIM],
+                    -3.0,
+                    3.0,
+                    dtype,
+                )?;
+                rope_check(
+                    &format!("offset_rms_norm_rope k [{batch}, {seq_len}] R {rotary} {dtype:?}"),
+                    &k,
+                    &to_gpu(&k, &gpu())?,
+                    &scale,
+                    &cos,
+                    &sin,
+                )?;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn offset_norm_rope_matches_cpu_at_odd_shapes_and_layouts() -> Result<()> {
+    let mut rng = Rng::new(2500);
+    // A transposed view (copied before the launch), a row range of a
+    // contiguous tensor (read in place at its start offset), and head dims
+    // of one to eight warps per row with a single rotated pair.
+    let x = random(&mut rng, &[2, HEADS, 5, HEAD_DIM], -3.0, 3.0, DType::BF16)?;
+    let x_gpu = to_gpu(&x, &gpu())?;
+    let scale = random(&mut rng, &[HEAD_DIM], 0.5, 1.5, DType::F32)?;
+    let (cos, sin) = rope_tables(&[7, 70_000], 5, ROTARY, DType::BF16)?;
+    rope_check(
+        "offset_rms_norm_rope transposed view",
+        &x.transpose(1, 2)?,
+        &x_gpu.transpose(1, 2)?,
+        &scale,
+        &cos,
+        &sin,
+    )?;
+    let rows = x.reshape((2 * HEADS * 5, HEAD_DIM))?;
+    let rows_gpu = x_gpu.reshape((2 * HEADS * 5, HEAD_DIM))?;
+    let (cos, sin) = rope_tables(&[0], 4, ROTARY, DType::BF16)?;
+    rope_check(
+        "offset_rms_norm_rope start offset",
+        &rows.narrow(0, 9, 12)?.reshape((1, 4, 3, HEAD_DIM))?,
+        &rows_gpu.narrow(0, 9, 12)?.reshape((1, 4, 3, HEAD_DIM))?,
+        &scale,
+        &cos,
+        &sin,
+    )?;
+    for width in [2, 24, 257, 513, 1025] {
+        for dtype in [DType::F32, DType::BF16] {
+            let x2 = random(&mut rng, &[3, 2, 5, 2 * width], -3.0, 3.0, dtype)?;
+            let x2_gpu = to_gpu(&x2, &gpu())?;
+            let scale = random(&mut rng, &[width], 0.5, 1.5, DType::F32)?;
+            let (cos, sin) = rope_tables(&[1, 2, 3], 2, 2, dtype)?;
+            rope_check(
+                &format!("offset_rms_norm_rope width {width} {dtype:?}"),
+                &x2.narrow(3, width, width)?,
+                &x2_gpu.narrow(3, width, width)?,
+                &scale,
+                &cos,
+                &sin,
+            )?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn sigmoid_gate_mul_matches_cpu_at_model_shapes() -> Result<()> {
+    let mut seed = 2600;
+    for (batch, seq_len) in [(1, 1), (4, 1), (1, 37), (4, 37)] {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            seed += 1;
+            let mut rng = Rng::new(seed);
+            let device = gpu();
+            let x = random(
+                &mut rng,
+                &[batch, seq_len, HEADS, HEAD_DIM],
+                -4.0,
+                4.0,
+                dtype,
+            )?;
+            let x_gpu = to_gpu(&x, &device)?;
+            // The gate: the second half of each head of the interleaved
+            // q | gate projection, read in place.
+            let q2 = random(
+                &mut rng,
+                &[batch, seq_len, HEADS, 2 * HEAD_DIM],
+                -8.0,
+                8.0,
+                dtype,
+            )?;
+            let q2_gpu = to_gpu(&q2, &device)?;
+            let gate = q2.narrow(3, HEAD_DIM, HEAD_DIM)?;
+            let gate_gpu = q2_gpu.narrow(3, HEAD_DIM, HEAD_DIM)?;
+            let cpu = sigmoid_gate_mul(&x, &gate)?;
+            let what = format!("sigmoid_gate_mul [{batch}, {seq_len}] {dtype:?}");
+            let cuda = sigmoid_gate_mul(&x_gpu, &gate_gpu)?;
+            assert!(cuda.is_contiguous(), "{what}: result is not contiguous");
+            compare(&what, &cuda, &cpu, output_tol(dtype))?;
+            // A contiguous gate, and a transposed x (copied before the launch).
+            let x_t_gpu = x_gpu.transpose(1, 2)?.contiguous()?.transpose(1, 2)?;
+            compare(
+                &format!("{what} contiguous gate, transposed x"),
+                &sigmoid_gate_mul(&x_t_gpu, &gate_gpu.contiguous()?)?,
+                &cpu,
+                output_tol(dtype),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+// ------------------------------------------------------------ moe_experts
+
+/// Routes every token to `top_k` distinct experts (its logits random, top-k
+/// by the CPU's `moe_route`), and returns the (weights, ids).
+fn moe_routing(
+    rng: &mut Rng,
+    tokens: usize,
+    experts: usize,
+    top_k: usize,
+) -> Result<(Tensor, Tensor)> {
+    let logits = random(rng, &[tokens, experts], -3.0, 3.0, DType::F32)?;
+    moe_route(&logits, top_k, true, DType::F32)
+}
+
+fn moe_experts_case(seed: u64, tokens: usize, dims: [usize; 4], dtype: DType) -> Result<()> {
+    let [experts, top_k, hidden, inter] = dims;
+    let mut rng = Rng::new(seed);
+    let x = random(&mut rng, &[tokens, hidden], -2.0, 2.0, dtype)?;
+    let gate_up = random(&mut rng, &[experts, 2 * inter, hidden], -0.05, 0.05, dtype)?;
+    let down = random(&mut rng, &[experts, hidden, inter], -0.05, 0.05, dtype)?;
+    let (weights, ids) = moe_routing(&mut rng, tokens, experts, top_k)?;
+    let cpu = moe_experts(&x, &weights, &ids, &gate_up, &down)?;
+    let dev = gpu();
+    let cuda = moe_experts(
+        &to_gpu(&x, &dev)?,
+        &to_gpu(&weights, &dev)?,
+        &to_gpu(&ids, &dev)?,
+        &to_gpu(&gate_up, &dev)?,
+        &to_gpu(&down, &dev)?,
+    )?;
+    // Bounded, not counted: a rounding of `gate | up` or `h` that flips
+    // (the dot products' summation orders differ) moves every output that
+    // reads it, so in f16 a fifth of the outputs can differ by a step.
+    within(
+        &format!("moe_experts N={tokens} E={experts} k={top_k} H={hidden} I={inter} {dtype:?}"),
+        &cuda,
+        &cpu,
+        output_tol(dtype),
+    )?;
+    Ok(())
+}
+
+/// BerryLM-OS widths (hidden 2048, expert width 512, top-8) with 16 experts
+/// (the CPU reference's time), at decode batches 1, 8 and 64: fewer routed
+/// rows than experts (a block per routed row) and more (a block per expert,
+/// several tokens per expert and groups of 8 tokens).
+#[test]
+fn moe_experts_matches_cpu_at_model_widths() -> Result<()> {
+    let mut seed = 2500;
+    for tokens in [1, 8, 64] {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            seed += 1;
+            moe_experts_case(seed, tokens, [16, TOP_K, HIDDEN, MOE_INTERMEDIATE], dtype)?;
+        }
+    }
+    Ok(())
+}
+
+/// Widths that are no multiple of the 16-byte vectors (the scalar path), and
+/// top-1.
+#[test]
+fn moe_experts_matches_cpu_at_odd_sizes() -> Result<()> {
+    moe_experts_case(2600, 5, [7, 3, 40, 13], DType::BF16)?;
+    moe_experts_case(2601, 3, [7, 3, 40, 13], DType::F32)?;
+    moe_experts_case(2602, 9, [4, 1, 64, 24], DType::BF16)?;
+    Ok(())
+}
+
+// ------------------------------------------------ causal_conv1d_split_in_pool
+
+/// The KDA layer's conv call on the host's f32 pool: `causal_conv1d_split_in_pool`
+/// on the GPU against the CPU's, on a pool of [`POOL_ROWS`] random rows with
+/// scattered slots. Decode at B = 1 and 8 (one chunk: the convolution
+/// kernel writes the rows in place) and a 200-token prefill (four chunks:
+/// the convolution reads the old rows, then a second launch writes the new
+/// ones, the case a single launch would race in). Outputs within
+/// `output_tol`; the whole pool, new rows and untouched ones, bit for bit.
+#[test]
+fn conv_in_pool_matches_cpu_at_model_shapes() -> Result<()> {
+    let dev = gpu();
+    let widths = [HK * DK, HK * DK, HV * DV];
+    let mut seed = 2700;
+    for (batch, seq_len) in [(1, 1), (8, 1), (1, 200)] {
+        for dtype in [DType::F32, DType::BF16] {
+            seed += 1;
+            let mut rng = Rng::new(seed);
+            let slots = scattered_slots(&mut rng, batch, POOL_ROWS);
+            let x = random(&mut rng, &[batch, seq_len, CONV_DIM], -2.0, 2.0, dtype)?;
+            let weight = random(&mut rng, &[CONV_DIM, CONV_K], -0.6, 0.6, DType::F32)?;
+            let pool = random(
+                &mut rng,
+                &[POOL_ROWS, CONV_DIM, CONV_K],
+                -2.0,
+                2.0,
+                DType::F32,
+            )?;
+            let what = format!(
+                "causal_conv1d_split_in_pool B={batch} T={seq_len} {dtype:?} slots {:?}",
+                &slots[..slots.len().min(4)]
+            );
+
+            let pool_cpu = pool.copy()?;
+            let parts_cpu = causal_conv1d_split_in_pool(
+                &x,
+                &weight,
+                StatePool {
+                    states: &pool_cpu,
+                    slots: &Tensor::new(slots.as_slice(), &Device::Cpu)?,
+                    host_slots: &slots,
+                },
+                &widths,
+            )?;
+            let pool_gpu = to_gpu(&pool, &dev)?;
+            let parts_cuda = causal_conv1d_split_in_pool(
+                &to_gpu(&x, &dev)?,
+                &to_gpu(&weight, &dev)?,
+                StatePool {
+                    states: &pool_gpu,
+                    slots: &Tensor::new(slots.as_slice(), &dev)?,
+                    host_slots: &slots,
+                },
+                &widths,
+            )?;
+
+            assert_eq!(parts_cuda.len(), widths.len(), "{what}");
+            for (index, (cuda, cpu)) in parts_cuda.iter().zip(&parts_cpu).enumerate() {
+                compare(
+                    &format!("{what} part {index}"),
+                    cuda,
+                    cpu,
+                    output_tol(dtype),
+                )?;
+            }
+            identical(&format!("{what} pool"), &pool_gpu, &pool_cpu)?;
+        }
+    }
     Ok(())
 }

@@ -6,6 +6,7 @@
 //! checkpoint whose `config.json` names BerryLM.
 
 pub mod config;
+pub mod device;
 #[cfg(feature = "cuda")]
 pub mod device_memory;
 pub mod driver;

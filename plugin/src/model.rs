@@ -254,28 +254,18 @@ impl BerryLm {
                         None => AttentionKv::Contiguous(kv),
                     };
                     attention_ordinal += 1;
-                    attention.forward(
-                        &normed,
-                        &self.rope,
-                        &cos,
-                        &sin,
-                        mask.as_ref(),
-                        kv,
-                        flash_params,
-                    )?
+                    attention.forward(&normed, &cos, &sin, mask.as_ref(), kv, flash_params)?
                 }
                 _ => candle_core::bail!(
                     "BerryLM forward: the host cache of layer {index} does not match its kind"
                 ),
             };
-            x = (x + mixed.reshape((tokens, hidden))?)?;
-            let moe_out = layer.moe.forward(
-                &layer
-                    .post_attention_layernorm
-                    .forward(&x)?
-                    .reshape((rows, seq_len, hidden))?,
-            )?;
-            x = (x + moe_out.reshape((tokens, hidden))?)?;
+            let (sum, normed) = layer
+                .post_attention_layernorm
+                .forward_residual(&x, &mixed.reshape((tokens, hidden))?)?;
+            x = layer
+                .moe
+                .forward(&normed.reshape((rows, seq_len, hidden))?, &sum)?;
             if self.cfg.attn_res_enabled() && (index + 1) % self.cfg.attn_res_block_size == 0 {
                 committed.push(x.clone());
             }
@@ -339,25 +329,31 @@ fn run_kda(
     let (rows, seq_len, _) = normed.dims3()?;
     let all_full = batch.token_counts.iter().all(|count| *count == seq_len);
     let out = if all_full {
-        let mut state = KdaState {
-            conv: pool.gather_conv_state(indices)?,
+        let state = KdaState {
+            conv: StatePool {
+                states: &pool.conv_state,
+                slots: indices,
+                host_slots: slots,
+            },
             recurrent: StatePool {
                 states: &pool.recurrent_state,
                 slots: indices,
                 host_slots: slots,
             },
         };
-        let out = kda.forward(normed, &mut state)?;
-        write_slots(&pool.conv_state, slots, &state.conv)?;
-        out
+        kda.forward(normed, &state)?
     } else {
         // Padded rows: run each sequence on its real tokens only, so padding
         // never reaches its state; padded outputs are zeros.
         let mut outputs = Vec::with_capacity(rows);
         for (row, (&slot, &count)) in slots.iter().zip(batch.token_counts).enumerate() {
             let index = Tensor::new(&[slot], pool.device())?;
-            let mut state = KdaState {
-                conv: pool.gather_conv_state(&index)?,
+            let state = KdaState {
+                conv: StatePool {
+                    states: &pool.conv_state,
+                    slots: &index,
+                    host_slots: &[slot],
+                },
                 recurrent: StatePool {
                     states: &pool.recurrent_state,
                     slots: &index,
@@ -365,8 +361,7 @@ fn run_kda(
                 },
             };
             let row_input = normed.i((row..row + 1, ..count))?;
-            let row_out = kda.forward(&row_input, &mut state)?;
-            write_slots(&pool.conv_state, &[slot], &state.conv)?;
+            let row_out = kda.forward(&row_input, &state)?;
             outputs.push(if count < seq_len {
                 row_out.pad_with_zeros(1, 0, seq_len - count)?
             } else {
@@ -383,21 +378,4 @@ fn run_kda(
         pool.set_seqlen_offset(slot as usize, offset + count);
     }
     Ok(out)
-}
-
-/// Writes row `i` of `values` into row `slots[i]` of the pool tensor `pool`,
-/// one copy per run of consecutive slots. Unlike the pool's scatter, this
-/// reads no indices back from the device, so it never waits for it.
-fn write_slots(pool: &Tensor, slots: &[u32], values: &Tensor) -> Result<()> {
-    let mut start = 0;
-    while start < slots.len() {
-        let mut end = start + 1;
-        while end < slots.len() && slots[end] == slots[end - 1] + 1 {
-            end += 1;
-        }
-        let run = values.narrow(0, start, end - start)?.contiguous()?;
-        pool.slice_set(&run, 0, slots[start] as usize)?;
-        start = end;
-    }
-    Ok(())
 }

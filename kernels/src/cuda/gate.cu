@@ -2,6 +2,8 @@
 //   g[n, h, c] = -exp(a_log[h]) * softplus(raw[n, h*dk + c] + dt_bias[h*dk + c])
 // with softplus(x) = x above 20, log1p(exp(x)) otherwise, then the optional
 // clamp g = max(g, lower_bound). All in f32, output f32.
+//
+// KDA write strength, elementwise: beta = 1 / (exp(-b) + 1) in f32.
 #include "common.cuh"
 
 namespace berrylm::gate {
@@ -24,6 +26,15 @@ __global__ void kda_gate_kernel(const T* __restrict__ raw, const float* __restri
     }
 }
 
+template <typename T>
+__global__ void kda_beta_kernel(const T* __restrict__ b, float* __restrict__ out, long long total) {
+    const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+    for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+         i += stride) {
+        out[i] = __fdiv_rn(1.0f, __fadd_rn(expf(-berrylm::to_f32(b[i])), 1.0f));
+    }
+}
+
 }  // namespace berrylm::gate
 
 using namespace berrylm::gate;
@@ -41,6 +52,18 @@ extern "C" int berrylm_kda_gate(int raw_dtype, const void* raw, const float* a_l
         kda_gate_kernel<T><<<blocks, threads, 0, s>>>(static_cast<const T*>(raw), a_log, dt_bias,
                                                       out, total, width, head_dim,
                                                       has_lower_bound, lower_bound);
+    });
+    return berrylm::launch_status();
+}
+
+extern "C" int berrylm_kda_beta(int b_dtype, const void* b, float* out, long long total,
+                                void* stream) {
+    if (total == 0) return 0;
+    const int threads = 256;
+    const unsigned int blocks = berrylm::elementwise_blocks(total, threads);
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    BERRYLM_DISPATCH_DTYPE(b_dtype, T, {
+        kda_beta_kernel<T><<<blocks, threads, 0, s>>>(static_cast<const T*>(b), out, total);
     });
     return berrylm::launch_status();
 }

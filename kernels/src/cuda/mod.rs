@@ -55,13 +55,23 @@ extern "C" {
         stream: *mut c_void,
     ) -> c_int;
 
+    fn berrylm_kda_beta(
+        b_dtype: c_int,
+        b: *const c_void,
+        out: *mut f32,
+        total: i64,
+        stream: *mut c_void,
+    ) -> c_int;
+
     fn berrylm_causal_conv1d(
         x_dtype: c_int,
         state_dtype: c_int,
         x: *const c_void,
         weight: *const f32,
         state: *const c_void,
-        out: *mut c_void,
+        outs: *const *mut c_void,
+        widths: *const c_int,
+        num_groups: c_int,
         new_state: *mut c_void,
         batch: c_int,
         seq_len: c_int,
@@ -144,12 +154,35 @@ extern "C" {
     fn berrylm_offset_rms_norm(
         x_dtype: c_int,
         x: *const c_void,
+        delta: *const c_void,
         scale: *const f32,
+        sum_out: *mut c_void,
         out: *mut c_void,
         rows: i64,
         width: c_int,
         inv_width: f32,
         eps: f32,
+        stream: *mut c_void,
+    ) -> c_int;
+
+    fn berrylm_swiglu(
+        dtype: c_int,
+        gate_up: *const c_void,
+        out: *mut c_void,
+        rows: i64,
+        intermediate: c_int,
+        stream: *mut c_void,
+    ) -> c_int;
+
+    fn berrylm_add_moe_output(
+        dtype: c_int,
+        residual: *const c_void,
+        routed: *const c_void,
+        shared: *const c_void,
+        gate_logit: *const c_void,
+        out: *mut c_void,
+        rows: i64,
+        hidden: c_int,
         stream: *mut c_void,
     ) -> c_int;
 
@@ -334,6 +367,13 @@ macro_rules! input_ptrs {
     };
 }
 
+mod rope;
+pub(crate) use rope::{offset_rms_norm_rope, sigmoid_gate_mul};
+mod moe;
+pub(crate) use moe::{moe_experts, MoeDims};
+mod conv_pool;
+pub(crate) use conv_pool::causal_conv1d_in_pool;
+
 fn cuda_device<'a>(op: &'static str, tensor: &'a Tensor) -> Result<&'a CudaDevice> {
     match tensor.device() {
         candle_core::Device::Cuda(device) => Ok(device),
@@ -393,11 +433,11 @@ pub(crate) fn causal_conv1d(
     x: &Tensor,
     weight: &Tensor,
     state: &Tensor,
+    widths: &[usize],
     batch: usize,
     seq_len: usize,
-    channels: usize,
     kernel_size: usize,
-) -> Result<(Tensor, Tensor)> {
+) -> Result<(Vec<Tensor>, Tensor)> {
     const OP: &str = "causal_conv1d";
     let launch = Launch::new(cuda_device(OP, x)?)?;
     let x = Input::new(x, None)?;
@@ -410,13 +450,31 @@ pub(crate) fn causal_conv1d(
             format!("batch size {batch} exceeds the CUDA kernel's 65535"),
         ));
     }
-    let out_shape = Shape::from_dims(&[batch, seq_len, channels]);
+    let channels = widths.iter().sum();
+    let out_shapes = widths
+        .iter()
+        .map(|&width| Shape::from_dims(&[batch, seq_len, width]))
+        .collect::<Vec<_>>();
     let state_shape = Shape::from_dims(&[batch, channels, kernel_size]);
-    let mut out = launch.alloc(&out_shape, x.dtype())?;
+    let mut outs = out_shapes
+        .iter()
+        .map(|shape| launch.alloc(shape, x.dtype()))
+        .collect::<Result<Vec<_>>>()?;
     let mut new_state = launch.alloc(&state_shape, state.dtype())?;
+    let c_widths = widths
+        .iter()
+        .map(|&width| c_size(OP, "widths", width))
+        .collect::<Result<Vec<_>>>()?;
     {
         input_ptrs!(OP, launch, x_p <- x, weight_p <- weight, state_p <- state);
-        let out_p = output_ptr(&mut out, &launch.stream)?;
+        let out_ps = outs
+            .iter_mut()
+            .map(|out| output_ptr(out, &launch.stream))
+            .collect::<Result<Vec<_>>>()?;
+        let out_addresses = out_ps
+            .iter()
+            .map(|(address, _)| *address as *mut c_void)
+            .collect::<Vec<_>>();
         let new_state_p = output_ptr(&mut new_state, &launch.stream)?;
         // SAFETY: as in `kda_gate`.
         let code = unsafe {
@@ -426,7 +484,9 @@ pub(crate) fn causal_conv1d(
                 x_p.0 as *const c_void,
                 weight_p.0 as *const f32,
                 state_p.0 as *const c_void,
-                out_p.0 as *mut c_void,
+                out_addresses.as_ptr(),
+                c_widths.as_ptr(),
+                c_size(OP, "widths", widths.len())?,
                 new_state_p.0 as *mut c_void,
                 c_size(OP, "x", batch)?,
                 c_size(OP, "x", seq_len)?,
@@ -437,10 +497,37 @@ pub(crate) fn causal_conv1d(
         };
         check(OP, code)?;
     }
-    Ok((
-        into_tensor(out, out_shape),
-        into_tensor(new_state, state_shape),
-    ))
+    let outputs = outs
+        .into_iter()
+        .zip(out_shapes)
+        .map(|(out, shape)| into_tensor(out, shape))
+        .collect();
+    Ok((outputs, into_tensor(new_state, state_shape)))
+}
+
+/// CUDA `kda_beta`; the dtype already validated by the caller.
+pub(crate) fn kda_beta(b: &Tensor) -> Result<Tensor> {
+    const OP: &str = "kda_beta";
+    let launch = Launch::new(cuda_device(OP, b)?)?;
+    let b = Input::new(b, None)?;
+    let shape = b.tensor.shape().clone();
+    let mut out = launch.alloc(&shape, DType::F32)?;
+    {
+        input_ptrs!(OP, launch, b_p <- b);
+        let out_p = output_ptr(&mut out, &launch.stream)?;
+        // SAFETY: as in `kda_gate`.
+        let code = unsafe {
+            berrylm_kda_beta(
+                dtype_code(OP, b.dtype())?,
+                b_p.0 as *const c_void,
+                out_p.0 as *mut f32,
+                shape.elem_count() as i64,
+                launch.raw_stream(),
+            )
+        };
+        check(OP, code)?;
+    }
+    Ok(into_tensor(out, shape))
 }
 
 /// Sizes and prefill algorithm of one `kda_recurrence_with` call.
@@ -852,17 +939,21 @@ pub(crate) fn gated_rms_norm(
     Ok(into_tensor(out, shape))
 }
 
-/// CUDA `offset_rms_norm`; arguments already validated by the caller (`scale`
-/// is `f32`, `width` is the last dimension of `x`).
+/// CUDA `offset_rms_norm` and `add_offset_rms_norm`; arguments already
+/// validated by the caller (`x` has a positive last dimension, `scale` is
+/// `f32`, `delta` has the shape and dtype of `x`). Returns the normed rows
+/// and, with `delta`, the sums `x + delta` they were computed from.
 pub(crate) fn offset_rms_norm(
     x: &Tensor,
+    delta: Option<&Tensor>,
     scale: &Tensor,
     eps: f64,
-    width: usize,
-) -> Result<Tensor> {
+) -> Result<(Tensor, Option<Tensor>)> {
     const OP: &str = "offset_rms_norm";
+    let width = x.dim(candle_core::D::Minus1)?;
     let launch = Launch::new(cuda_device(OP, x)?)?;
     let x = Input::new(x, None)?;
+    let delta = delta.map(|delta| Input::new(delta, None)).transpose()?;
     let scale = Input::new(scale, Some(DType::F32))?;
     let shape = x.tensor.shape().clone();
     let rows = shape.elem_count() / width;
@@ -870,15 +961,37 @@ pub(crate) fn offset_rms_norm(
     // `+ eps` adds, both rounded to f32 as candle rounds them.
     let inv_width = (1.0 / width as f64) as f32;
     let mut out = launch.alloc(&shape, x.dtype())?;
+    let mut sum = delta
+        .as_ref()
+        .map(|_| launch.alloc(&shape, x.dtype()))
+        .transpose()?;
     {
         input_ptrs!(OP, launch, x_p <- x, scale_p <- scale);
+        let delta_lock = delta
+            .as_ref()
+            .map(|delta| delta.tensor.storage_and_layout());
+        let delta_p = delta_lock
+            .as_ref()
+            .map(|(storage, layout)| input_ptr(OP, storage, layout, &launch.stream))
+            .transpose()?;
         let out_p = output_ptr(&mut out, &launch.stream)?;
-        // SAFETY: as in `kda_gate`.
+        let sum_p = sum
+            .as_mut()
+            .map(|sum| output_ptr(sum, &launch.stream))
+            .transpose()?;
+        // SAFETY: as in `kda_gate`; `delta` and `sum_out` are null or
+        // buffers of the size of `x`.
         let code = unsafe {
             berrylm_offset_rms_norm(
                 dtype_code(OP, x.dtype())?,
                 x_p.0 as *const c_void,
+                delta_p
+                    .as_ref()
+                    .map_or(std::ptr::null(), |p| p.0 as *const c_void),
                 scale_p.0 as *const f32,
+                sum_p
+                    .as_ref()
+                    .map_or(std::ptr::null_mut(), |p| p.0 as *mut c_void),
                 out_p.0 as *mut c_void,
                 rows as i64,
                 c_size(OP, "x", width)?,
@@ -889,7 +1002,10 @@ pub(crate) fn offset_rms_norm(
         };
         check(OP, code)?;
     }
-    Ok(into_tensor(out, shape))
+    Ok((
+        into_tensor(out, shape.clone()),
+        sum.map(|sum| into_tensor(sum, shape)),
+    ))
 }
 
 /// CUDA `moe_route`; arguments already validated by the caller.
@@ -943,4 +1059,73 @@ pub(crate) fn moe_route(
         check(OP, code)?;
     }
     Ok((into_tensor(weights, shape.clone()), into_tensor(ids, shape)))
+}
+
+/// CUDA `swiglu`; arguments already validated by the caller (`out_dims` is
+/// the shape of `gate_up` with its last dimension `intermediate`).
+pub(crate) fn swiglu(gate_up: &Tensor, intermediate: usize, out_dims: &[usize]) -> Result<Tensor> {
+    const OP: &str = "swiglu";
+    let launch = Launch::new(cuda_device(OP, gate_up)?)?;
+    let gate_up = Input::new(gate_up, None)?;
+    let shape = Shape::from_dims(out_dims);
+    let rows = shape.elem_count() / intermediate;
+    let mut out = launch.alloc(&shape, gate_up.dtype())?;
+    {
+        input_ptrs!(OP, launch, gate_up_p <- gate_up);
+        let out_p = output_ptr(&mut out, &launch.stream)?;
+        // SAFETY: as in `kda_gate`.
+        let code = unsafe {
+            berrylm_swiglu(
+                dtype_code(OP, gate_up.dtype())?,
+                gate_up_p.0 as *const c_void,
+                out_p.0 as *mut c_void,
+                rows as i64,
+                c_size(OP, "gate_up", intermediate)?,
+                launch.raw_stream(),
+            )
+        };
+        check(OP, code)?;
+    }
+    Ok(into_tensor(out, shape))
+}
+
+/// CUDA `add_moe_output`; arguments already validated by the caller (all
+/// four of one dtype, `[N, hidden]` and `[N, 1]`).
+pub(crate) fn add_moe_output(
+    residual: &Tensor,
+    routed: &Tensor,
+    shared: &Tensor,
+    gate_logit: &Tensor,
+    hidden: usize,
+) -> Result<Tensor> {
+    const OP: &str = "add_moe_output";
+    let launch = Launch::new(cuda_device(OP, residual)?)?;
+    let residual = Input::new(residual, None)?;
+    let routed = Input::new(routed, None)?;
+    let shared = Input::new(shared, None)?;
+    let gate_logit = Input::new(gate_logit, None)?;
+    let shape = residual.tensor.shape().clone();
+    let rows = shape.elem_count() / hidden.max(1);
+    let mut out = launch.alloc(&shape, residual.dtype())?;
+    {
+        input_ptrs!(OP, launch, residual_p <- residual, routed_p <- routed,
+                    shared_p <- shared, gate_logit_p <- gate_logit);
+        let out_p = output_ptr(&mut out, &launch.stream)?;
+        // SAFETY: as in `kda_gate`.
+        let code = unsafe {
+            berrylm_add_moe_output(
+                dtype_code(OP, residual.dtype())?,
+                residual_p.0 as *const c_void,
+                routed_p.0 as *const c_void,
+                shared_p.0 as *const c_void,
+                gate_logit_p.0 as *const c_void,
+                out_p.0 as *mut c_void,
+                rows as i64,
+                c_size(OP, "residual", hidden)?,
+                launch.raw_stream(),
+            )
+        };
+        check(OP, code)?;
+    }
+    Ok(into_tensor(out, shape))
 }

@@ -8,6 +8,7 @@
 //
 // (1 + w) RMSNorm (BerryLMRMSNorm), `scale` = 1 + w in f32:
 //   y  = round_x(x / sqrt(sum(x^2) * inv_width + eps) * scale)    (f32)
+// optionally of a residual sum x = round_x(x + delta), also written out.
 // evaluated with the operations and rounding points of the CPU reference
 // (candle's sqr, mean_keepdim = sum times the f32 `1/D`, + eps, sqrt,
 // division, product): every square is rounded to f32 before it is summed, the
@@ -54,7 +55,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
 // warp order.
 template <typename T>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
-    offset_rms_norm_kernel(const T* __restrict__ x, const float* __restrict__ scale,
+    offset_rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ delta,
+                           const float* __restrict__ scale, T* __restrict__ sum_out,
                            T* __restrict__ out, long long rows, int width, int warps_per_row,
                            float inv_width, float eps) {
     __shared__ float partial[kWarpsPerBlock];
@@ -66,11 +68,19 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     const bool active = row < rows;
     const int first = (warp % warps_per_row) * 32 + lane;
     const int stride = warps_per_row * 32;
-    const T* xr = x + (active ? row : 0) * width;
+    const long long offset = (active ? row : 0) * width;
+    // The normed value: x, or with `delta` the sum round_x(x + delta).
+    auto value = [&](int i) {
+        const float v = berrylm::to_f32(x[offset + i]);
+        return delta == nullptr
+                   ? v
+                   : berrylm::round_to<T>(__fadd_rn(v, berrylm::to_f32(delta[offset + i])));
+    };
     float sum_sq = 0.0f;
     if (active) {
         for (int i = first; i < width; i += stride) {
-            const float v = berrylm::to_f32(xr[i]);
+            const float v = value(i);
+            if (sum_out != nullptr) sum_out[offset + i] = berrylm::from_f32<T>(v);
             sum_sq = __fadd_rn(sum_sq, __fmul_rn(v, v));
         }
     }
@@ -87,7 +97,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     const float rms = __fsqrt_rn(__fadd_rn(__fmul_rn(sum_sq, inv_width), eps));
     T* yr = out + row * width;
     for (int i = first; i < width; i += stride) {
-        const float n = __fdiv_rn(berrylm::to_f32(xr[i]), rms);
+        const float n = __fdiv_rn(value(i), rms);
         yr[i] = berrylm::from_f32<T>(__fmul_rn(n, scale[i]));
     }
 }
@@ -124,7 +134,10 @@ extern "C" int berrylm_gated_rms_norm(int x_dtype, int z_dtype, const void* x, c
 }
 
 // `inv_width` is 1/width rounded to f32 (what candle's mean multiplies by).
-extern "C" int berrylm_offset_rms_norm(int x_dtype, const void* x, const float* scale, void* out,
+// With `delta` (else null), the row normed is round_x(x + delta), which is
+// also written to `sum_out`.
+extern "C" int berrylm_offset_rms_norm(int x_dtype, const void* x, const void* delta,
+                                       const float* scale, void* sum_out, void* out,
                                        long long rows, int width, float inv_width, float eps,
                                        void* stream) {
     if (rows == 0 || width == 0) return 0;
@@ -137,8 +150,9 @@ extern "C" int berrylm_offset_rms_norm(int x_dtype, const void* x, const float* 
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     BERRYLM_DISPATCH_DTYPE(x_dtype, T, {
         offset_rms_norm_kernel<T><<<static_cast<unsigned int>(blocks), kWarpsPerBlock * 32, 0, s>>>(
-            static_cast<const T*>(x), scale, static_cast<T*>(out), rows, width, warps_per_row,
-            inv_width, eps);
+            static_cast<const T*>(x), static_cast<const T*>(delta), scale,
+            static_cast<T*>(sum_out), static_cast<T*>(out), rows, width, warps_per_row, inv_width,
+            eps);
     });
     return berrylm::launch_status();
 }

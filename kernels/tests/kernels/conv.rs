@@ -1,5 +1,7 @@
-use berrylm_kernels::{causal_conv1d, Result};
-use candle_core::{DType, Tensor};
+use berrylm_kernels::{
+    causal_conv1d, causal_conv1d_split, causal_conv1d_split_in_pool, KernelError, Result, StatePool,
+};
+use candle_core::{DType, Device, Tensor};
 
 use crate::common::{assert_close, assert_identical, f32_values, f64_values, silu, tensor, Rng};
 
@@ -199,4 +201,191 @@ fn bf16_rounds_like_the_reference_chain() -> Result<()> {
         .contiguous()?;
     let (output, _) = causal_conv1d(&x, &weight, &state)?;
     assert_identical(&output, &expected)
+}
+
+/// The split outputs are the columns of the unsplit output, bit for bit, and
+/// the state is the same.
+#[test]
+fn split_outputs_are_the_unsplit_columns() -> Result<()> {
+    let inputs = inputs(40, 5, false)?;
+    let (output, new_state) = causal_conv1d(&inputs.x, &inputs.weight, &inputs.state)?;
+    for widths in [vec![CHANNELS], vec![1, 2], vec![1, 1, 1]] {
+        let (parts, split_state) =
+            causal_conv1d_split(&inputs.x, &inputs.weight, &inputs.state, &widths)?;
+        assert_eq!(parts.len(), widths.len());
+        let mut start = 0;
+        for (part, &width) in parts.iter().zip(&widths) {
+            assert!(part.is_contiguous());
+            assert_identical(part, &output.narrow(2, start, width)?)?;
+            start += width;
+        }
+        assert_identical(&split_state, &new_state)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn split_rejects_widths_that_do_not_cover_the_channels() -> Result<()> {
+    let inputs = inputs(41, 2, true)?;
+    for widths in [vec![], vec![1, 1], vec![2, 2], vec![3, 0], vec![1; 5]] {
+        match causal_conv1d_split(&inputs.x, &inputs.weight, &inputs.state, &widths) {
+            Err(KernelError::InvalidArgument { op, arg, .. }) => {
+                assert_eq!((op, arg), ("causal_conv1d", "widths"), "{widths:?}")
+            }
+            other => panic!("{widths:?}: expected an invalid-argument error, got {other:?}"),
+        }
+    }
+    Ok(())
+}
+
+/// Rows of the in-pool tests' pool.
+const POOL_ROWS: usize = 7;
+
+/// Rows `rows` of `pool`, in that order.
+fn pool_rows(pool: &Tensor, rows: &[u32]) -> Result<Tensor> {
+    Ok(pool.index_select(&Tensor::new(rows, &Device::Cpu)?, 0)?)
+}
+
+/// The in-pool convolution equals `causal_conv1d_split` on the gathered rows
+/// bit for bit: the outputs, and the new states written to the rows of the
+/// scattered, out-of-order slots; every other row is untouched. The pool is
+/// a view at an offset of a larger tensor, through which the writes (and
+/// the untouched rows around the view) are checked.
+#[test]
+fn in_pool_equals_split_on_gathered_rows() -> Result<()> {
+    let host_slots = [5u32, 1, 3];
+    let batch = host_slots.len();
+    let slots = Tensor::new(&host_slots, &Device::Cpu)?;
+    let widths = [1, 2];
+    let mut seed = 80;
+    for seq_len in [1, 3, 9] {
+        for x_dtype in [DType::F32, DType::BF16] {
+            seed += 1;
+            let what = format!("T={seq_len} x={x_dtype:?}");
+            let mut rng = Rng::new(seed);
+            let x = tensor(
+                rng.uniform_vec(batch * seq_len * CHANNELS, -2.0, 2.0),
+                &[batch, seq_len, CHANNELS],
+            )?
+            .to_dtype(x_dtype)?;
+            let weight = tensor(
+                rng.uniform_vec(CHANNELS * KERNEL, -1.0, 1.0),
+                &[CHANNELS, KERNEL],
+            )?;
+            // One row before and after the pool's view.
+            let backing = tensor(
+                rng.uniform_vec((POOL_ROWS + 2) * CHANNELS * KERNEL, -2.0, 2.0),
+                &[POOL_ROWS + 2, CHANNELS, KERNEL],
+            )?;
+            let original = backing.copy()?;
+            let pool = backing.narrow(0, 1, POOL_ROWS)?;
+            let (expected, expected_state) =
+                causal_conv1d_split(&x, &weight, &pool_rows(&pool, &host_slots)?, &widths)?;
+
+            let outputs = causal_conv1d_split_in_pool(
+                &x,
+                &weight,
+                StatePool {
+                    states: &pool,
+                    slots: &slots,
+                    host_slots: &host_slots,
+                },
+                &widths,
+            )?;
+
+            assert_eq!(outputs.len(), widths.len(), "{what}");
+            for (output, expected) in outputs.iter().zip(&expected) {
+                assert!(output.is_contiguous(), "{what}");
+                assert_identical(output, expected)?;
+            }
+            let backing_slots = host_slots.map(|slot| slot + 1);
+            assert_identical(&pool_rows(&backing, &backing_slots)?, &expected_state)?;
+            let others: Vec<u32> = (0..(POOL_ROWS + 2) as u32)
+                .filter(|row| !backing_slots.contains(row))
+                .collect();
+            assert_identical(
+                &pool_rows(&backing, &others)?,
+                &pool_rows(&original, &others)?,
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// Asserts that `result` is an invalid-argument error of `causal_conv1d`
+/// naming `arg`.
+fn assert_rejects<T: std::fmt::Debug>(result: Result<T>, arg: &str, case: &str) {
+    match result {
+        Err(KernelError::InvalidArgument {
+            op,
+            arg: error_arg,
+            reason,
+        }) => assert_eq!(
+            (op, error_arg),
+            ("causal_conv1d", arg),
+            "{case}: reason: {reason}"
+        ),
+        other => panic!("{case}: expected `{arg}` to be rejected, got {other:?}"),
+    }
+}
+
+/// Slots out of range, duplicated, of the wrong count or disagreeing with
+/// `host_slots`, and pools of the wrong shape or layout are rejected naming
+/// the argument, and leave the pool unchanged.
+#[test]
+fn in_pool_rejects_bad_slots_and_pools() -> Result<()> {
+    let inputs = inputs(90, 2, false)?;
+    let pool = Tensor::ones((4, CHANNELS, KERNEL), DType::F32, &Device::Cpu)?;
+    let run = |pool: &Tensor, slots: &Tensor, host_slots: &[u32]| {
+        causal_conv1d_split_in_pool(
+            &inputs.x,
+            &inputs.weight,
+            StatePool {
+                states: pool,
+                slots,
+                host_slots,
+            },
+            &[CHANNELS],
+        )
+    };
+    let slots = |values: &[u32]| Tensor::new(values, &Device::Cpu);
+    for (case, slot_values, host_slots, arg) in [
+        ("out of range", vec![4, 1], vec![4, 1], "host_slots"),
+        ("duplicated", vec![2, 2], vec![2, 2], "host_slots"),
+        ("too few host slots", vec![0, 1], vec![0], "host_slots"),
+        (
+            "too many host slots",
+            vec![0, 1],
+            vec![0, 1, 2],
+            "host_slots",
+        ),
+        ("too many slots", vec![0, 1, 2], vec![0, 1], "slots"),
+        ("slots disagree", vec![0, 1], vec![1, 0], "slots"),
+    ] {
+        assert_rejects(run(&pool, &slots(&slot_values)?, &host_slots), arg, case);
+    }
+    let good = slots(&[0, 1])?;
+    assert_rejects(
+        run(&pool, &good.to_dtype(DType::F32)?, &[0, 1]),
+        "slots",
+        "f32 slots",
+    );
+    assert_rejects(
+        run(&pool.narrow(2, 0, KERNEL - 1)?, &good, &[0, 1]),
+        "pool",
+        "too few columns",
+    );
+    assert_rejects(
+        run(&pool.narrow(1, 0, CHANNELS - 1)?, &good, &[0, 1]),
+        "pool",
+        "too few channels",
+    );
+    let transposed =
+        Tensor::ones((4, KERNEL, CHANNELS), DType::F32, &Device::Cpu)?.transpose(1, 2)?;
+    assert_rejects(run(&transposed, &good, &[0, 1]), "pool", "not contiguous");
+    assert_eq!(
+        pool.flatten_all()?.to_vec1::<f32>()?,
+        vec![1.0; 4 * CHANNELS * KERNEL]
+    );
+    Ok(())
 }

@@ -1,4 +1,4 @@
-use berrylm_kernels::{kda_gate, Result};
+use berrylm_kernels::{kda_beta, kda_gate, Result};
 use candle_core::DType;
 
 use crate::common::{assert_close, f32_values, tensor, Rng};
@@ -105,6 +105,27 @@ fn half_precision_raw_is_upcast_exactly() -> Result<()> {
         inputs.raw = f32_values(&tensor(inputs.raw.clone(), &[TOKENS * WIDTH])?.to_dtype(dtype)?)?;
         let from_rounded_f32 = run(&inputs, DType::F32, None)?;
         assert_eq!(from_half, from_rounded_f32, "{dtype:?}");
+    }
+    Ok(())
+}
+
+/// `sigmoid(b)` in f32 from every float dtype, against f64 (the extremes
+/// saturate to 0 and 1 without NaN).
+#[test]
+fn beta_is_the_f32_sigmoid() -> Result<()> {
+    let mut values = Rng::new(7).uniform_vec(30, -12.0, 12.0);
+    values.extend([0.0, -100.0, 100.0]);
+    let b = tensor(values.clone(), &[11, 3])?;
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let b = b.to_dtype(dtype)?;
+        let beta = kda_beta(&b)?;
+        assert_eq!(beta.dims(), &[11, 3]);
+        assert_eq!(beta.dtype(), DType::F32);
+        let expected: Vec<f64> = f32_values(&b)?
+            .iter()
+            .map(|&x| 1.0 / (1.0 + (-f64::from(x)).exp()))
+            .collect();
+        assert_close(&f32_values(&beta)?, &expected, 1e-7, 1e-6);
     }
     Ok(())
 }

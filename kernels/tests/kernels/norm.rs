@@ -1,4 +1,4 @@
-use berrylm_kernels::{gated_rms_norm, offset_rms_norm, Result};
+use berrylm_kernels::{add_offset_rms_norm, gated_rms_norm, offset_rms_norm, KernelError, Result};
 use candle_core::{DType, Tensor, D};
 
 use crate::common::{assert_close, assert_identical, f32_values, f64_values, silu, tensor, Rng};
@@ -176,6 +176,46 @@ fn offset_rms_norm_is_the_candle_op_composition() -> Result<()> {
             let expected = normed.broadcast_mul(&scale)?.to_dtype(dtype)?;
             assert_identical(&offset_rms_norm(&x, &scale, 1e-6)?, &expected)?;
         }
+    }
+    Ok(())
+}
+
+/// The sum is `x + delta` rounded once to the dtype (checked against f64
+/// values rounded by candle's conversion), and the normed rows are the sum's
+/// `(1 + w)` norm (f64 reference).
+#[test]
+fn add_offset_rms_norm_returns_the_sum_and_its_norm() -> Result<()> {
+    let mut rng = Rng::new(21);
+    let x = tensor(rng.uniform_vec(3 * 40, -3.0, 3.0), &[3, 40])?;
+    let delta = tensor(rng.uniform_vec(3 * 40, -1.0, 1.0), &[3, 40])?;
+    let scale = tensor(rng.uniform_vec(40, 0.5, 1.5), &[40])?;
+    for dtype in [DType::F32, DType::BF16] {
+        let (x, delta) = (x.to_dtype(dtype)?, delta.to_dtype(dtype)?);
+        let (sum, normed) = add_offset_rms_norm(&x, &delta, &scale, EPS)?;
+        let exact: Vec<f32> = f64_values(&x)?
+            .iter()
+            .zip(f64_values(&delta)?)
+            .map(|(a, b)| (a + b) as f32)
+            .collect();
+        let rounded = tensor(exact, &[3, 40])?.to_dtype(dtype)?;
+        assert_identical(&sum, &rounded)?;
+        let tolerance = if dtype == DType::F32 {
+            64.0 * F32_U
+        } else {
+            1.0 / 256.0
+        };
+        assert_close(
+            &f32_values(&normed)?,
+            &offset_reference(&sum, &scale, EPS)?,
+            0.0,
+            tolerance,
+        );
+    }
+    match add_offset_rms_norm(&x, &delta.narrow(1, 0, 39)?, &scale, EPS) {
+        Err(KernelError::InvalidArgument { op, arg, .. }) => {
+            assert_eq!((op, arg), ("offset_rms_norm", "delta"))
+        }
+        other => panic!("expected an invalid-argument error, got {other:?}"),
     }
     Ok(())
 }

@@ -1,5 +1,8 @@
 //! Gated full attention: q/k (1+w) norms before partial NeoX RoPE, GQA, and a
 //! sigmoid output gate taken from the doubled, per-head interleaved `q_proj`.
+//! The norm and rotation of q and of k, and the output gate, are one kernel
+//! each (`berrylm_kernels`), reading the query and gate halves of `q_proj`'s
+//! output in place.
 
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::ops::softmax_last_dim;
@@ -10,8 +13,7 @@ use mistralrs_core::plugin_api::{
 use crate::config::BerryLmConfig;
 use crate::layers::linear::Linear;
 use crate::layers::norm::OffsetRmsNorm;
-use crate::layers::ops::{matmul, scale, sigmoid};
-use crate::layers::rope::PartialRotaryEmbedding;
+use crate::layers::ops::{matmul, scale};
 use crate::weights::Weights;
 
 /// Queries per block of the eager attention over long prompts.
@@ -29,9 +31,10 @@ pub enum AttentionKv<'a> {
 }
 
 pub struct GatedAttention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
+    /// `q_proj`, `k_proj` and `v_proj` stacked into one projection (one
+    /// launch per step instead of three): output columns q (with the
+    /// interleaved output gate), then k, then v.
+    qkv_proj: Linear,
     o_proj: Linear,
     q_norm: OffsetRmsNorm,
     k_norm: OffsetRmsNorm,
@@ -55,10 +58,13 @@ impl GatedAttention {
         let q_rows = cfg.num_attention_heads * head_dim * if cfg.attn_output_gate { 2 } else { 1 };
         let kv_rows = cfg.num_key_value_heads * head_dim;
         let bias = cfg.attention_bias;
+        let qkv_proj = Linear::stacked(&[
+            Linear::load(&attn, "q_proj", hidden, q_rows, bias)?,
+            Linear::load(&attn, "k_proj", hidden, kv_rows, bias)?,
+            Linear::load(&attn, "v_proj", hidden, kv_rows, bias)?,
+        ])?;
         Ok(GatedAttention {
-            q_proj: Linear::load(&attn, "q_proj", hidden, q_rows, bias)?,
-            k_proj: Linear::load(&attn, "k_proj", hidden, kv_rows, bias)?,
-            v_proj: Linear::load(&attn, "v_proj", hidden, kv_rows, bias)?,
+            qkv_proj,
             o_proj: Linear::load(
                 &attn,
                 "o_proj",
@@ -84,11 +90,9 @@ impl GatedAttention {
     }
 
     /// `x` `[B, T, hidden]`; `cos`/`sin` `[B, T, rotary_dim]` for each token's position.
-    #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
         x: &Tensor,
-        rope: &PartialRotaryEmbedding,
         cos: &Tensor,
         sin: &Tensor,
         mask: Option<&Tensor>,
@@ -96,37 +100,28 @@ impl GatedAttention {
         flash_params: &FlashParams,
     ) -> Result<Tensor> {
         let (batch, seq_len, _) = x.dims3()?;
+        // Views of the stacked projection's columns (contiguous for one token).
+        let projected = self.qkv_proj.forward(x)?;
+        let q_width = self.num_heads * self.head_dim * if self.output_gate { 2 } else { 1 };
+        let kv_width = self.num_kv_heads * self.head_dim;
+        let q_all = projected.narrow(2, 0, q_width)?;
+        let k = projected.narrow(2, q_width, kv_width)?;
+        let v = projected.narrow(2, q_width + kv_width, kv_width)?;
         let (q, gate) = if self.output_gate {
-            let q2 = self.q_proj.forward(x)?.reshape((
-                batch,
-                seq_len,
-                self.num_heads,
-                2 * self.head_dim,
-            ))?;
+            let q2 = q_all.reshape((batch, seq_len, self.num_heads, 2 * self.head_dim))?;
+            // Views whose heads lie 2 * head_dim apart, read in place by the
+            // kernels below.
             let q = q2.narrow(3, 0, self.head_dim)?;
-            let gate = q2.narrow(3, self.head_dim, self.head_dim)?.reshape((
-                batch,
-                seq_len,
-                self.num_heads * self.head_dim,
-            ))?;
+            let gate = q2.narrow(3, self.head_dim, self.head_dim)?;
             (q, Some(gate))
         } else {
-            let q =
-                self.q_proj
-                    .forward(x)?
-                    .reshape((batch, seq_len, self.num_heads, self.head_dim))?;
+            let q = q_all.reshape((batch, seq_len, self.num_heads, self.head_dim))?;
             (q, None)
         };
-        let k =
-            self.k_proj
-                .forward(x)?
-                .reshape((batch, seq_len, self.num_kv_heads, self.head_dim))?;
-        let v =
-            self.v_proj
-                .forward(x)?
-                .reshape((batch, seq_len, self.num_kv_heads, self.head_dim))?;
-        let q = rope.apply(&self.q_norm.forward(&q)?, cos, sin)?;
-        let k = rope.apply(&self.k_norm.forward(&k)?, cos, sin)?;
+        let k = k.reshape((batch, seq_len, self.num_kv_heads, self.head_dim))?;
+        let v = v.reshape((batch, seq_len, self.num_kv_heads, self.head_dim))?;
+        let q = self.q_norm.forward_rope(&q, cos, sin)?;
+        let k = self.k_norm.forward_rope(&k, cos, sin)?;
 
         let q = q.transpose(1, 2)?.contiguous()?;
         let k = k.transpose(1, 2)?.contiguous()?;
@@ -166,16 +161,23 @@ impl GatedAttention {
         } else {
             attended.transpose(1, 2)?
         };
-        let mut out = token_major.reshape((batch, seq_len, self.num_heads * self.head_dim))?;
-        if let Some(gate) = gate {
-            out = (out * sigmoid(&gate)?)?;
-        }
-        self.o_proj.forward(&out)
+        let out = token_major.reshape((batch, seq_len, self.num_heads, self.head_dim))?;
+        let out = match gate {
+            Some(gate) => berrylm_kernels::sigmoid_gate_mul(&out, &gate)?,
+            None => out,
+        };
+        self.o_proj
+            .forward(&out.reshape((batch, seq_len, self.num_heads * self.head_dim))?)
     }
 
     /// The reference's eager attention: `softmax(q k^T * scale + mask)` in f32,
     /// times `v`, each query head reading KV head `h / groups`. `q` is
-    /// `[B, heads, T, hd]`, `k`/`v` `[B, kv_heads, L, hd]`, the mask `[T, L]`.
+    /// `[B, heads, T, hd]` (contiguous), `k`/`v` `[B, kv_heads, L, hd]` (any
+    /// strides, e.g. views of the cache), the mask `[T, L]`.
+    ///
+    /// The query heads that share a KV head are consecutive, so `q` is read as
+    /// `[B, kv_heads, groups * T, hd]` and multiplied with the keys and values
+    /// as they are: nothing is repeated or copied per query head.
     fn eager_attention(
         &self,
         q: &Tensor,
@@ -183,22 +185,9 @@ impl GatedAttention {
         v: &Tensor,
         mask: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let groups = self.sdpa_params.n_kv_groups;
-        let repeat = |t: &Tensor| -> Result<Tensor> {
-            if groups == 1 {
-                return t.contiguous();
-            }
-            let (b, kv_heads, len, dim) = t.dims4()?;
-            t.unsqueeze(2)?
-                .broadcast_as((b, kv_heads, groups, len, dim))?
-                .contiguous()?
-                .reshape((b, kv_heads * groups, len, dim))
-        };
-        // The keys transposed once for every block of queries.
-        let (k_t, v) = (repeat(k)?.t()?.contiguous()?, repeat(v)?);
         let queries = q.dim(2)?;
         if queries <= QUERY_CHUNK {
-            return self.attend(q, &k_t, &v, mask);
+            return self.attend(q, k, v, mask);
         }
         // Long prompts in chunks of queries: the scores of a whole 16k-token
         // prompt would hold 2^32 elements per 16 heads, past what one kernel
@@ -206,32 +195,36 @@ impl GatedAttention {
         let mut outputs = Vec::with_capacity(queries.div_ceil(QUERY_CHUNK));
         for start in (0..queries).step_by(QUERY_CHUNK) {
             let len = QUERY_CHUNK.min(queries - start);
-            let rows = mask
-                .map(|mask| mask.narrow(mask.rank() - 2, start, len))
-                .transpose()?;
-            outputs.push(self.attend(&q.narrow(2, start, len)?, &k_t, &v, rows.as_ref())?);
+            let rows = mask.map(|mask| mask.narrow(0, start, len)).transpose()?;
+            outputs.push(self.attend(
+                &q.narrow(2, start, len)?.contiguous()?,
+                k,
+                v,
+                rows.as_ref(),
+            )?);
         }
         Tensor::cat(&outputs, 2)
     }
 
-    /// `softmax(q k_t * scale + mask) v` with the keys `k_t` (transposed,
-    /// `[B, heads, hd, L]`) and `v` already repeated to the query heads.
-    fn attend(
-        &self,
-        q: &Tensor,
-        k_t: &Tensor,
-        v: &Tensor,
-        mask: Option<&Tensor>,
-    ) -> Result<Tensor> {
+    /// `softmax(q k^T * scale + mask) v` for `q` `[B, heads, T, hd]`
+    /// (contiguous) against `k`/`v` `[B, kv_heads, L, hd]`.
+    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+        let (batch, heads, queries, head_dim) = q.dims4()?;
+        let (_, kv_heads, keys, _) = k.dims4()?;
+        let groups = heads / kv_heads;
+        let grouped = q.reshape((batch, kv_heads, groups * queries, head_dim))?;
         let scores = scale(
-            &matmul(&q.contiguous()?, k_t)?,
+            &matmul(&grouped, &k.t()?)?,
             f64::from(self.sdpa_params.softmax_scale),
         )?;
         let scores = match mask {
-            Some(mask) => scores.broadcast_add(&mask.to_dtype(scores.dtype())?)?,
+            Some(mask) => scores
+                .reshape((batch, kv_heads, groups, queries, keys))?
+                .broadcast_add(&mask.to_dtype(scores.dtype())?)?
+                .reshape((batch, kv_heads, groups * queries, keys))?,
             None => scores,
         };
         let probs = softmax_last_dim(&scores.to_dtype(DType::F32)?)?.to_dtype(q.dtype())?;
-        matmul(&probs, v)
+        matmul(&probs, v)?.reshape((batch, heads, queries, head_dim))
     }
 }

@@ -17,7 +17,10 @@ pub struct AttnRes {
 impl AttnRes {
     pub fn load(weights: &Weights, cfg: &BerryLmConfig) -> crate::error::Result<AttnRes> {
         let module = weights.pp("attn_res");
-        let pseudo_query = module.get(cfg.hidden_size, "pseudo_query")?;
+        // In f32 (exact), the dtype the kernel computes in.
+        let pseudo_query = module
+            .get(cfg.hidden_size, "pseudo_query")?
+            .to_dtype(DType::F32)?;
         let gate = if cfg.attn_res_gated {
             let gate = module.get((), "gate")?;
             Some(gate.to_dtype(DType::F32)?.to_scalar::<f32>()?)

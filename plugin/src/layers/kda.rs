@@ -3,28 +3,31 @@
 
 use berrylm_kernels::{KdaPrefillAlgorithm, StatePool};
 use candle_core::{DType, Module, Result, Tensor};
-use candle_nn::ops::sigmoid;
 
 use crate::config::BerryLmConfig;
 use crate::error::BerryLmError;
 use crate::layers::linear::Linear;
 use crate::weights::Weights;
 
-/// One sequence group's KDA state.
+/// One sequence group's KDA state: its rows of the host's pools, which the
+/// layer reads and updates in place.
 pub struct KdaState<'a> {
-    /// `[B, conv_dim, Kc]`: the last `Kc` pre-conv q|k|v columns.
-    pub conv: Tensor,
-    /// The recurrent states, updated in place in the host's pool.
+    /// The conv states, `[S, conv_dim, Kc]` rows: the last `Kc` pre-conv
+    /// q|k|v columns of each sequence.
+    pub conv: StatePool<'a>,
+    /// The recurrent states, `[S, Hv, dk, dv]` rows.
     pub recurrent: StatePool<'a>,
 }
 
 pub struct Kda {
-    in_proj_qkv: Linear,
-    in_proj_z: Linear,
-    in_proj_b: Linear,
-    f_down_proj: Linear,
+    /// `in_proj_qkv`, `in_proj_z`, `in_proj_b` and `f_down_proj` stacked into
+    /// one projection (one launch per step instead of four); its output
+    /// columns are q|k|v, z, b and the gate's bottleneck, in that order.
+    in_proj: Linear,
     f_up_proj: Linear,
-    /// `[conv_dim, Kc]`.
+    /// `[conv_dim, Kc]`. This and the other parameters of the kernels are kept
+    /// in f32 (exact), the dtype the kernels compute in, so that no call
+    /// converts them.
     conv_weight: Tensor,
     a_log: Tensor,
     dt_bias: Tensor,
@@ -34,6 +37,7 @@ pub struct Kda {
     num_value_heads: usize,
     key_head_dim: usize,
     value_head_dim: usize,
+    gate_rank: usize,
     gate_lower_bound: Option<f32>,
     norm_eps: f64,
 }
@@ -61,39 +65,60 @@ impl Kda {
         let conv_weight = kda
             .pp("conv1d")
             .get((conv_dim, 1, kernel), "weight")?
-            .reshape((conv_dim, kernel))?;
+            .reshape((conv_dim, kernel))?
+            .to_dtype(DType::F32)?;
+        let in_proj = Linear::stacked(&[
+            Linear::load(&kda, "in_proj_qkv", hidden, conv_dim, false)?,
+            Linear::load(&kda, "in_proj_z", hidden, cfg.linear_value_dim(), false)?,
+            Linear::load(&kda, "in_proj_b", hidden, cfg.linear_num_value_heads, false)?,
+            Linear::load(&kda, "f_down_proj", hidden, cfg.kda_gate_bottleneck, false)?,
+        ])?;
         Ok(Kda {
-            in_proj_qkv: Linear::load(&kda, "in_proj_qkv", hidden, conv_dim, false)?,
-            in_proj_z: Linear::load(&kda, "in_proj_z", hidden, cfg.linear_value_dim(), false)?,
-            in_proj_b: Linear::load(&kda, "in_proj_b", hidden, cfg.linear_num_value_heads, false)?,
-            f_down_proj: Linear::load(&kda, "f_down_proj", hidden, cfg.kda_gate_bottleneck, false)?,
+            in_proj,
             f_up_proj: Linear::load(&kda, "f_up_proj", cfg.kda_gate_bottleneck, gate_dim, false)?,
             conv_weight,
-            a_log: kda.get(cfg.linear_num_value_heads, "A_log")?,
-            dt_bias: kda.get(gate_dim, "dt_bias")?,
-            norm_weight: kda.pp("norm").get(cfg.linear_value_head_dim, "weight")?,
+            a_log: kda
+                .get(cfg.linear_num_value_heads, "A_log")?
+                .to_dtype(DType::F32)?,
+            dt_bias: kda.get(gate_dim, "dt_bias")?.to_dtype(DType::F32)?,
+            norm_weight: kda
+                .pp("norm")
+                .get(cfg.linear_value_head_dim, "weight")?
+                .to_dtype(DType::F32)?,
             out_proj: Linear::load(&kda, "out_proj", cfg.linear_value_dim(), hidden, false)?,
             num_key_heads: cfg.linear_num_key_heads,
             num_value_heads: cfg.linear_num_value_heads,
             key_head_dim: cfg.linear_key_head_dim,
             value_head_dim: cfg.linear_value_head_dim,
+            gate_rank: cfg.kda_gate_bottleneck,
             gate_lower_bound: cfg.kda_gate_lower_bound.map(|bound| bound as f32),
             norm_eps: cfg.rms_norm_eps,
         })
     }
 
     /// `x` `[B, T, hidden]` (already normed) continues the sequences whose state
-    /// is `state`; returns the layer output and leaves the new state in `state`.
-    pub fn forward(&self, x: &Tensor, state: &mut KdaState<'_>) -> Result<Tensor> {
+    /// is `state`; returns the layer output and leaves the new states in
+    /// `state`'s pool rows.
+    pub fn forward(&self, x: &Tensor, state: &KdaState<'_>) -> Result<Tensor> {
         let (batch, seq_len, _) = x.dims3()?;
         let dtype = x.dtype();
         let key_dim = self.num_key_heads * self.key_head_dim;
         let value_dim = self.num_value_heads * self.value_head_dim;
 
-        let mixed = self.in_proj_qkv.forward(x)?;
-        let z = self.in_proj_z.forward(x)?;
-        let beta = sigmoid(&self.in_proj_b.forward(x)?.to_dtype(DType::F32)?)?;
-        let raw_gate = self.f_up_proj.forward(&self.f_down_proj.forward(x)?)?;
+        // Views of the stacked projection's columns: for one token they are
+        // contiguous, so no kernel below copies them.
+        let projected = self.in_proj.forward(x)?;
+        let conv_dim = 2 * key_dim + value_dim;
+        let mixed = projected.narrow(2, 0, conv_dim)?;
+        let z = projected.narrow(2, conv_dim, value_dim)?;
+        let b = projected.narrow(2, conv_dim + value_dim, self.num_value_heads)?;
+        let gate_down = projected.narrow(
+            2,
+            conv_dim + value_dim + self.num_value_heads,
+            self.gate_rank,
+        )?;
+        let beta = berrylm_kernels::kda_beta(&b)?;
+        let raw_gate = self.f_up_proj.forward(&gate_down)?;
         let gate = berrylm_kernels::kda_gate(
             &raw_gate.reshape((batch * seq_len, self.num_value_heads * self.key_head_dim))?,
             &self.a_log,
@@ -104,30 +129,24 @@ impl Kda {
         .reshape((batch, seq_len, self.num_value_heads, self.key_head_dim))?;
 
         // The pool keeps the conv state in f32; its columns are activation
-        // values, exact in f32, and the kernel reads and returns the state in
-        // the pool's dtype.
-        let (mixed, conv_state) =
-            berrylm_kernels::causal_conv1d(&mixed, &self.conv_weight, &state.conv)?;
-        state.conv = conv_state;
-
-        let q = mixed.narrow(2, 0, key_dim)?.reshape((
-            batch,
-            seq_len,
-            self.num_key_heads,
-            self.key_head_dim,
-        ))?;
-        let k = mixed.narrow(2, key_dim, key_dim)?.reshape((
-            batch,
-            seq_len,
-            self.num_key_heads,
-            self.key_head_dim,
-        ))?;
-        let v = mixed.narrow(2, 2 * key_dim, value_dim)?.reshape((
-            batch,
-            seq_len,
-            self.num_value_heads,
-            self.value_head_dim,
-        ))?;
+        // values, exact in f32, and the kernel reads each sequence's row and
+        // writes the new state back into it in the pool's dtype. The packed
+        // q|k|v come out as three tensors.
+        let qkv = berrylm_kernels::causal_conv1d_split_in_pool(
+            &mixed,
+            &self.conv_weight,
+            state.conv,
+            &[key_dim, key_dim, value_dim],
+        )?;
+        let [q, k, v] = <[Tensor; 3]>::try_from(qkv).map_err(|parts| {
+            candle_core::Error::Msg(format!(
+                "causal_conv1d_split_in_pool returned {} tensors for q, k, v",
+                parts.len()
+            ))
+        })?;
+        let q = q.reshape((batch, seq_len, self.num_key_heads, self.key_head_dim))?;
+        let k = k.reshape((batch, seq_len, self.num_key_heads, self.key_head_dim))?;
+        let v = v.reshape((batch, seq_len, self.num_value_heads, self.value_head_dim))?;
         let beta = beta.reshape((batch, seq_len, self.num_value_heads))?;
         // A float32 model keeps f32 arithmetic in the recurrence (the exact
         // path). Lower-precision activations take the kernels' default, which

@@ -34,13 +34,34 @@ impl Linear {
         Ok(Linear { weight, bias })
     }
 
-    pub fn weight(&self) -> &Tensor {
-        &self.weight
+    /// One projection computing the outputs of `parts` side by side (their
+    /// weights' rows stacked in order): the same values, one launch.
+    pub fn stacked(parts: &[Linear]) -> Result<Linear> {
+        let weights: Vec<&Tensor> = parts.iter().map(|part| &part.weight).collect();
+        let biases: Option<Vec<&Tensor>> = parts.iter().map(|part| part.bias.as_ref()).collect();
+        let bias = match biases {
+            Some(biases) => Some(Tensor::cat(&biases, 0)?),
+            None if parts.iter().any(|part| part.bias.is_some()) => {
+                candle_core::bail!("stacked projections must all have a bias or none")
+            }
+            None => None,
+        };
+        Ok(Linear {
+            weight: Tensor::cat(&weights, 0)?,
+            bias,
+        })
     }
 }
 
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        // Up to 8 rows on CUDA (decode) take the host's GEMV kernel, as the
+        // host's own linear layers do: one launch, cheaper for the host to
+        // dispatch than a cuBLAS product (docs/performance.md).
+        #[cfg(feature = "cuda")]
+        if mistralrs_quant::should_use_gemv(x, &self.weight) {
+            return mistralrs_quant::gemv(x, &self.weight, self.bias.as_ref());
+        }
         matmul_add(x, &self.weight.t()?, self.bias.as_ref())
     }
 }

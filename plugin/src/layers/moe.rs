@@ -4,23 +4,25 @@
 //! The routing (fp32 softmax, top-k with `torch.topk`'s order of exact ties,
 //! renormalisation, weights rounded to the activation dtype) is one kernel
 //! (`berrylm_kernels::moe_route`, one launch on CUDA). On CUDA in f16/bf16 the
-//! experts then run in the host's fused MoE kernels (two launches for all
-//! routed tokens, no host round trip); otherwise (the CPU, f32, or sizes those
-//! kernels do not take) the ids and weights are read back once and each chosen
-//! expert runs on its tokens: on the CPU in f32, the exact oracle of the
-//! reference.
+//! experts' weights live in the host's fused MoE: a decode step runs
+//! `berrylm_kernels::moe_experts` on them (one call, the reference's rounding
+//! and order of accumulation), a prompt the host's tensor-core kernels (no
+//! host round trip either way); otherwise (the CPU, f32, or sizes those
+//! kernels do not take) the ids and weights are read back once and each
+//! chosen expert runs on its tokens: on the CPU in f32, the exact oracle of
+//! the reference. The router, the shared expert's input projections and its
+//! gate are one stacked projection.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use candle_core::{DType, Device, IndexOp, Module, Result, Tensor, D};
+use candle_core::{DType, Device, IndexOp, Module, Result, Tensor};
 use mistralrs_core::layers::Activation;
 use mistralrs_core::plugin_api::{MoEExperts, MoEExpertsConfig};
 use mistralrs_quant::{Comm, Id, ShardedSafeTensors};
 
 use crate::config::BerryLmConfig;
 use crate::layers::linear::Linear;
-use crate::layers::ops::{sigmoid, silu};
 use crate::weights::Weights;
 
 /// One SwiGLU expert: `down(silu(gate x) * up x)`.
@@ -29,15 +31,12 @@ struct Expert {
     /// `[2I, H]`: rows `0..I` are the gate projection, `I..2I` the up projection.
     gate_up: Linear,
     down: Linear,
-    intermediate: usize,
 }
 
 impl Expert {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let gate_up = self.gate_up.forward(x)?;
-        let gate = gate_up.narrow(D::Minus1, 0, self.intermediate)?;
-        let up = gate_up.narrow(D::Minus1, self.intermediate, self.intermediate)?;
-        self.down.forward(&(silu(&gate)? * up)?)
+        let activated = berrylm_kernels::swiglu(&self.gate_up.forward(x)?)?;
+        self.down.forward(&activated)
     }
 }
 
@@ -56,10 +55,15 @@ type Routed = Vec<(Vec<u32>, Vec<f32>)>;
 
 #[derive(Clone)]
 pub struct SparseMoe {
-    router: Linear,
+    /// The router, the shared expert's gate and up projections and its
+    /// sigmoid gate stacked into one projection (one launch per step instead
+    /// of three): output columns `0..E` are the router logits, then `2 Is`
+    /// the shared expert's gate | up, then its gate logit.
+    input_proj: Linear,
     experts: Experts,
-    shared_expert: Expert,
-    shared_expert_gate: Linear,
+    shared_down: Linear,
+    num_experts: usize,
+    shared_intermediate: usize,
     top_k: usize,
     norm_topk_prob: bool,
 }
@@ -109,7 +113,6 @@ impl SparseMoe {
                         Ok(Expert {
                             gate_up: Linear::new(gate_up.i(e)?.contiguous()?, None),
                             down: Linear::new(down.i(e)?.contiguous()?, None),
-                            intermediate: inter,
                         })
                     })
                     .collect::<crate::error::Result<Vec<_>>>()?,
@@ -126,41 +129,66 @@ impl SparseMoe {
             hidden,
             cfg.shared_expert_intermediate_size,
         )?;
+        let input_proj = Linear::stacked(&[
+            Linear::load(&mlp, "gate", hidden, cfg.num_experts, false)?,
+            shared_expert.gate_up,
+            Linear::load(&mlp, "shared_expert_gate", hidden, 1, false)?,
+        ])?;
         Ok(SparseMoe {
-            router: Linear::load(&mlp, "gate", hidden, cfg.num_experts, false)?,
+            input_proj,
             experts,
-            shared_expert,
-            shared_expert_gate: Linear::load(&mlp, "shared_expert_gate", hidden, 1, false)?,
+            shared_down: shared_expert.down,
+            num_experts: cfg.num_experts,
+            shared_intermediate: cfg.shared_expert_intermediate_size,
             top_k: cfg.num_experts_per_tok,
             norm_topk_prob: cfg.norm_topk_prob,
         })
     }
 
-    /// `x` is `[B, T, hidden]` (`B` sequences of `T` tokens); so is the result.
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// The residual stream after this block: `residual + moe(x)`, where `x`
+    /// is `[B, T, hidden]` (`B` sequences of `T` tokens, the normed stream)
+    /// and `residual` is `[B * T, hidden]`, like the result.
+    pub fn forward(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
         let (rows, seq_len, hidden) = x.dims3()?;
         let dtype = x.dtype();
         let flat = x.reshape((rows * seq_len, hidden))?;
-        let (weights, ids) = berrylm_kernels::moe_route(
-            &self.router.forward(&flat)?,
-            self.top_k,
-            self.norm_topk_prob,
-            dtype,
-        )?;
+        // Views of the stacked projection's columns (contiguous for one token).
+        let projected = self.input_proj.forward(&flat)?;
+        let shared_width = 2 * self.shared_intermediate;
+        let router_logits = projected.narrow(1, 0, self.num_experts)?;
+        let shared_gate_up = projected.narrow(1, self.num_experts, shared_width)?;
+        let shared_gate_logit = projected.narrow(1, self.num_experts + shared_width, 1)?;
+        let (weights, ids) =
+            berrylm_kernels::moe_route(&router_logits, self.top_k, self.norm_topk_prob, dtype)?;
         let routed_out = match &self.experts {
-            // The host picks its kernels from the shape: `[B, 1, hidden]`
-            // decodes (GEMV / GEMM kernels), `T > 1` prefills (tensor cores).
-            Experts::Fused(experts) => experts
-                .forward(&x.contiguous()?, weights, &ids)?
-                .reshape((rows * seq_len, hidden))?,
+            // A decode step runs BerryLM's kernel on the host's weights (one
+            // call, rounded like the reference); prompts run the host's
+            // tensor-core GEMMs.
+            Experts::Fused(experts) => match experts.fused_weights() {
+                Some((gate_up, down))
+                    if seq_len == 1
+                        && rows * self.top_k <= berrylm_kernels::MOE_EXPERTS_MAX_ROUTED_ROWS =>
+                {
+                    berrylm_kernels::moe_experts(&flat, &weights, &ids, gate_up, down)?
+                }
+                _ => experts
+                    .forward(&x.contiguous()?, weights, &ids)?
+                    .reshape((rows * seq_len, hidden))?,
+            },
             Experts::PerExpert(experts) => {
                 run_experts(experts, &flat, by_expert(&weights, &ids, experts.len())?)?
             }
         };
 
-        let shared = self.shared_expert.forward(&flat)?;
-        let shared_gate = sigmoid(&self.shared_expert_gate.forward(&flat)?)?;
-        (routed_out + shared.broadcast_mul(&shared_gate)?)?.reshape((rows, seq_len, hidden))
+        let shared = self
+            .shared_down
+            .forward(&berrylm_kernels::swiglu(&shared_gate_up)?)?;
+        Ok(berrylm_kernels::add_moe_output(
+            residual,
+            &routed_out,
+            &shared,
+            &shared_gate_logit,
+        )?)
     }
 }
 
@@ -252,6 +280,5 @@ fn load_split_expert(
     Ok(Expert {
         gate_up: Linear::new(Tensor::cat(&[&gate, &up], 0)?, None),
         down: Linear::load(weights, "down_proj", inter, hidden, false)?,
-        intermediate: inter,
     })
 }

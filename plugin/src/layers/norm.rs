@@ -23,6 +23,33 @@ impl OffsetRmsNorm {
         let scale = (weight.to_dtype(DType::F32)? + 1.0)?;
         Ok(OffsetRmsNorm { scale, eps })
     }
+
+    /// The residual add `x + delta` (rounded to the dtype) and this norm of
+    /// it, in one kernel; returns `(sum, normed)`.
+    pub fn forward_residual(&self, x: &Tensor, delta: &Tensor) -> Result<(Tensor, Tensor)> {
+        Ok(berrylm_kernels::add_offset_rms_norm(
+            x,
+            delta,
+            &self.scale,
+            self.eps,
+        )?)
+    }
+
+    /// This norm over the head dim of `x` `[B, T, heads, head_dim]`, then the
+    /// partial NeoX rotation of each head's first `rotary_dim` channels by
+    /// its token's `cos`/`sin` `[B, T, rotary_dim]`, in one kernel
+    /// (`berrylm_kernels::offset_rms_norm_rope`). `x` may be a view whose
+    /// heads lie at a stride (the query half of the interleaved `q_proj`
+    /// output), read in place on CUDA.
+    pub fn forward_rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        Ok(berrylm_kernels::offset_rms_norm_rope(
+            x,
+            &self.scale,
+            self.eps,
+            cos,
+            sin,
+        )?)
+    }
 }
 
 impl Module for OffsetRmsNorm {

@@ -1,13 +1,13 @@
-//! The matrix product, scaling and activations of the model, rounded where
-//! the PyTorch reference rounds them.
+//! The matrix product and scaling of the model, rounded where the PyTorch
+//! reference rounds them (the MoE's SwiGLU and shared-expert gate and the
+//! attention's output gate are kernels of `berrylm_kernels`).
 //!
 //! In bf16 on the CPU, PyTorch's GEMMs accumulate in f32 and round each result
-//! (bias included) to bf16 once, and its scalar product, SiLU and sigmoid
-//! compute in f32 and round once. candle's CPU backend has no bf16 matmul, its
-//! bf16 scaling rounds the factor to bf16 first, and its bf16 SiLU and sigmoid
-//! round after every step (a quarter of the results then differ by an ulp), so
-//! on the CPU these operations widen bf16 operands to f32 and round the result
-//! once. Other dtypes and devices use candle's operations as they are.
+//! (bias included) to bf16 once, and its scalar product computes in f32 and
+//! rounds once. candle's CPU backend has no bf16 matmul and its bf16 scaling
+//! rounds the factor to bf16 first, so on the CPU these operations widen bf16
+//! operands to f32 and round the result once. Other dtypes and devices use
+//! candle's operations as they are.
 
 use candle_core::{DType, Result, Tensor};
 
@@ -59,20 +59,4 @@ pub fn scale(x: &Tensor, factor: f64) -> Result<Tensor> {
         return (x.to_dtype(DType::F32)? * factor)?.to_dtype(DType::BF16);
     }
     x * factor
-}
-
-/// `x * sigmoid(x)`.
-pub fn silu(x: &Tensor) -> Result<Tensor> {
-    if widened(x) {
-        return candle_nn::ops::silu(&x.to_dtype(DType::F32)?)?.to_dtype(DType::BF16);
-    }
-    candle_nn::ops::silu(x)
-}
-
-/// `1 / (1 + exp(-x))`.
-pub fn sigmoid(x: &Tensor) -> Result<Tensor> {
-    if widened(x) {
-        return candle_nn::ops::sigmoid(&x.to_dtype(DType::F32)?)?.to_dtype(DType::BF16);
-    }
-    candle_nn::ops::sigmoid(x)
 }

@@ -3,8 +3,10 @@
 //! As in transformers, `base_dim = int(head_dim * partial_rotary_factor)` sets
 //! the frequencies `theta^(-2j/base_dim)` for `j < ceil(base_dim / 2)`, and the
 //! rotated width is twice their count (so an odd `base_dim` rotates one more).
+//! This module builds the cos/sin tables; the rotation itself is fused with
+//! the q/k norms (`OffsetRmsNorm::forward_rope`).
 
-use candle_core::{DType, Device, Result, Tensor, D};
+use candle_core::{DType, Device, Result, Tensor};
 
 #[derive(Debug, Clone)]
 pub struct PartialRotaryEmbedding {
@@ -28,42 +30,27 @@ impl PartialRotaryEmbedding {
     }
 
     /// cos and sin `[T, rotary_dim]` for the given absolute positions, in `dtype`.
+    ///
+    /// The angles `position * inv_freq` and their cos and sin are computed on
+    /// the host in f32 (what candle's CPU `cos`/`sin` compute), and both tables
+    /// reach the device in one upload and one dtype conversion.
     pub fn cos_sin(
         &self,
         positions: &[usize],
         dtype: DType,
         device: &Device,
     ) -> Result<(Tensor, Tensor)> {
-        let half = self.rotary_dim / 2;
-        let mut angles = Vec::with_capacity(positions.len() * self.rotary_dim);
-        for &position in positions {
-            let row: Vec<f32> = self.inv_freq.iter().map(|f| position as f32 * f).collect();
-            angles.extend_from_slice(&row);
-            angles.extend_from_slice(&row);
+        let mut values = Vec::with_capacity(2 * positions.len() * self.rotary_dim);
+        for table in [f32::cos, f32::sin] {
+            for &position in positions {
+                // Each frequency serves channel j and its partner j + half.
+                for _ in 0..2 {
+                    values.extend(self.inv_freq.iter().map(|f| table(position as f32 * f)));
+                }
+            }
         }
-        let angles = Tensor::from_vec(angles, (positions.len(), 2 * half), device)?;
-        Ok((
-            angles.cos()?.to_dtype(dtype)?,
-            angles.sin()?.to_dtype(dtype)?,
-        ))
-    }
-
-    /// Rotates `x` `[B, T, heads, head_dim]` with cos/sin `[B, T, rotary_dim]`.
-    pub fn apply(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        let head_dim = x.dim(D::Minus1)?;
-        let half = self.rotary_dim / 2;
-        let rotated = x.narrow(D::Minus1, 0, self.rotary_dim)?;
-        let first = rotated.narrow(D::Minus1, 0, half)?;
-        let second = rotated.narrow(D::Minus1, half, half)?;
-        let rotate_half = Tensor::cat(&[&second.neg()?, &first], D::Minus1)?;
-        let cos = cos.unsqueeze(2)?;
-        let sin = sin.unsqueeze(2)?;
-        let out = (rotated.broadcast_mul(&cos)? + rotate_half.broadcast_mul(&sin)?)?;
-        if self.rotary_dim == head_dim {
-            Ok(out)
-        } else {
-            let pass = x.narrow(D::Minus1, self.rotary_dim, head_dim - self.rotary_dim)?;
-            Tensor::cat(&[&out, &pass], D::Minus1)
-        }
+        let tables = Tensor::from_vec(values, (2, positions.len(), self.rotary_dim), device)?
+            .to_dtype(dtype)?;
+        Ok((tables.get(0)?, tables.get(1)?))
     }
 }

@@ -1,0 +1,291 @@
+// The routed experts of the MoE block for decode-sized batches (spec 3.7
+// step 3), with the reference's rounding points (round_x: to the activation
+// dtype, RNE). For token n and each of its experts e = ids[n, s], weight
+// w = weights[n, s]:
+//   gate_up = round_x(W_gu[e] x_n)                       (f32 dot products)
+//   h       = round_x(round_x(silu(gate)) * up)
+//   out_e   = round_x(W_d[e] h)
+//   term    = round_x(w * out_e)
+// and y_n = the sum of the token's terms in increasing expert id, each
+// addition rounded, from zero (the reference's index_add_ over the experts it
+// hit, in order).
+//
+// Three kernels. The first two give each block one expert and a tile of
+// output rows of its weights; the block collects the routed rows
+// (r = n * top_k + s) sent to its expert, in order, and streams each weight
+// row once per group of up to kTokens of them, one warp per row (16-byte
+// loads where sizes and addresses allow). With fewer routed rows than
+// experts, the grid runs over the routed rows instead and a block whose
+// expert appeared at an earlier row exits, so no block is launched for
+// an expert nobody chose. The third adds the terms per token.
+#include "common.cuh"
+
+namespace berrylm::moe {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kRowsPerWarp = 4;
+constexpr int kRowsPerBlock = kWarps * kRowsPerWarp;
+constexpr int kTokens = 8;
+// Must match MAX_MOE_ROUTED_ROWS in src/cuda/moe.rs.
+constexpr int kMaxRouted = 4096;
+
+template <typename T, int VEC>
+__device__ __forceinline__ void load_vec(const T* p, float (&out)[VEC]) {
+    if constexpr (VEC == 1) {
+        out[0] = berrylm::to_f32(*p);
+    } else {
+        static_assert(sizeof(T) * VEC == 16, "16-byte vectors");
+        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+        const T* values = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) out[i] = berrylm::to_f32(values[i]);
+    }
+}
+
+// The expert of this block, or -1 when the block has nothing to do (see the
+// file comment). All threads of the block call it.
+__device__ int block_expert(const uint32_t* __restrict__ ids, int routed, int experts,
+                            int by_row) {
+    if (!by_row) return static_cast<int>(blockIdx.x);
+    const uint32_t expert = ids[blockIdx.x];
+    bool earlier = false;
+    for (int r = threadIdx.x; r < static_cast<int>(blockIdx.x); r += kThreads) {
+        earlier |= ids[r] == expert;
+    }
+    if (__syncthreads_or(earlier) || expert >= static_cast<uint32_t>(experts)) return -1;
+    return static_cast<int>(expert);
+}
+
+// Writes the routed rows whose expert is `expert` to rows[], in increasing
+// order, and returns their count. All threads of the block call it.
+__device__ int collect_rows(const uint32_t* __restrict__ ids, int routed, int expert, int* rows) {
+    __shared__ int warp_counts[kWarps];
+    __shared__ int found;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    if (threadIdx.x == 0) found = 0;
+    __syncthreads();
+    for (int start = 0; start < routed; start += kThreads) {
+        const int r = start + threadIdx.x;
+        const bool hit = r < routed && ids[r] == static_cast<uint32_t>(expert);
+        const unsigned mask = __ballot_sync(0xffffffffu, hit);
+        if (lane == 0) warp_counts[warp] = __popc(mask);
+        __syncthreads();
+        int offset = found;
+        for (int w = 0; w < warp; ++w) offset += warp_counts[w];
+        if (hit) rows[offset + __popc(mask & ((1u << lane) - 1u))] = r;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (int w = 0; w < kWarps; ++w) found += warp_counts[w];
+        }
+        __syncthreads();
+    }
+    return found;
+}
+
+// h[r, j] for the j of this block's tile: gate row j and up row I + j of the
+// expert's [2I, H] weights against x of the row's token.
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kThreads)
+    gate_up_kernel(const T* __restrict__ x, const uint32_t* __restrict__ ids,
+                   const T* __restrict__ gate_up, T* __restrict__ h, int routed, int top_k,
+                   int experts, int hidden, int inter, int by_row) {
+    __shared__ int rows[kMaxRouted];
+    const int expert = block_expert(ids, routed, experts, by_row);
+    if (expert < 0) return;
+    const int count = collect_rows(ids, routed, expert, rows);
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const T* weights = gate_up + static_cast<long long>(expert) * 2 * inter * hidden;
+    for (int t0 = 0; t0 < count; t0 += kTokens) {
+        const int tokens = min(kTokens, count - t0);
+        for (int q = 0; q < kRowsPerWarp; ++q) {
+            const int j = blockIdx.y * kRowsPerBlock + warp * kRowsPerWarp + q;
+            if (j >= inter) break;
+            const T* gate_row = weights + static_cast<long long>(j) * hidden;
+            const T* up_row = weights + static_cast<long long>(inter + j) * hidden;
+            float gate[kTokens] = {};
+            float up[kTokens] = {};
+#pragma unroll 2
+            for (int c = lane * VEC; c < hidden; c += 32 * VEC) {
+                float wg[VEC];
+                float wu[VEC];
+                load_vec<T, VEC>(gate_row + c, wg);
+                load_vec<T, VEC>(up_row + c, wu);
+#pragma unroll
+                for (int t = 0; t < kTokens; ++t) {
+                    if (t < tokens) {
+                        float xv[VEC];
+                        load_vec<T, VEC>(
+                            x + static_cast<long long>(rows[t0 + t] / top_k) * hidden + c, xv);
+#pragma unroll
+                        for (int v = 0; v < VEC; ++v) {
+                            gate[t] = fmaf(wg[v], xv[v], gate[t]);
+                            up[t] = fmaf(wu[v], xv[v], up[t]);
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int t = 0; t < kTokens; ++t) {
+                if (t < tokens) {
+                    const float g = berrylm::round_to<T>(berrylm::warp_sum(gate[t]));
+                    const float u = berrylm::round_to<T>(berrylm::warp_sum(up[t]));
+                    if (lane == 0) {
+                        const float activated = berrylm::round_to<T>(berrylm::silu(g));
+                        h[static_cast<long long>(rows[t0 + t]) * inter + j] =
+                            berrylm::from_f32<T>(__fmul_rn(activated, u));
+                    }
+                }
+            }
+        }
+    }
+}
+
+// out[r, i] = round_x(down row i of the expert's [H, I] weights . h[r]).
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kThreads)
+    down_kernel(const T* __restrict__ h, const uint32_t* __restrict__ ids,
+                const T* __restrict__ down, T* __restrict__ out, int routed, int experts,
+                int hidden, int inter, int by_row) {
+    __shared__ int rows[kMaxRouted];
+    const int expert = block_expert(ids, routed, experts, by_row);
+    if (expert < 0) return;
+    const int count = collect_rows(ids, routed, expert, rows);
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const T* weights = down + static_cast<long long>(expert) * hidden * inter;
+    for (int t0 = 0; t0 < count; t0 += kTokens) {
+        const int tokens = min(kTokens, count - t0);
+        for (int q = 0; q < kRowsPerWarp; ++q) {
+            const int i = blockIdx.y * kRowsPerBlock + warp * kRowsPerWarp + q;
+            if (i >= hidden) break;
+            const T* row = weights + static_cast<long long>(i) * inter;
+            float sum[kTokens] = {};
+#pragma unroll 2
+            for (int c = lane * VEC; c < inter; c += 32 * VEC) {
+                float w[VEC];
+                load_vec<T, VEC>(row + c, w);
+#pragma unroll
+                for (int t = 0; t < kTokens; ++t) {
+                    if (t < tokens) {
+                        float hv[VEC];
+                        load_vec<T, VEC>(h + static_cast<long long>(rows[t0 + t]) * inter + c, hv);
+#pragma unroll
+                        for (int v = 0; v < VEC; ++v) sum[t] = fmaf(w[v], hv[v], sum[t]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int t = 0; t < kTokens; ++t) {
+                if (t < tokens) {
+                    const float total = berrylm::warp_sum(sum[t]);
+                    if (lane == 0) {
+                        out[static_cast<long long>(rows[t0 + t]) * hidden + i] =
+                            berrylm::from_f32<T>(total);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// y[n, i]: the token's terms round_x(w * out_e) added in increasing expert id,
+// each addition rounded. Ids at or above `experts` contribute nothing.
+template <typename T>
+__global__ void combine_kernel(const T* __restrict__ expert_out, const float* __restrict__ weights,
+                               const uint32_t* __restrict__ ids, T* __restrict__ y,
+                               long long total, int top_k, int experts, int hidden) {
+    const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+    for (long long index = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+         index < total; index += stride) {
+        const long long token = index / hidden;
+        const int i = static_cast<int>(index % hidden);
+        const uint32_t* token_ids = ids + token * top_k;
+        float acc = 0.0f;
+        long long previous = -1;
+        for (int step = 0; step < top_k; ++step) {
+            int slot = -1;
+            for (int s = 0; s < top_k; ++s) {
+                const long long id = token_ids[s];
+                if (id > previous && id < experts && (slot < 0 || id < token_ids[slot])) slot = s;
+            }
+            if (slot < 0) break;
+            previous = token_ids[slot];
+            const long long routed_row = token * top_k + slot;
+            const float term = berrylm::round_to<T>(__fmul_rn(
+                weights[routed_row], berrylm::to_f32(expert_out[routed_row * hidden + i])));
+            acc = berrylm::round_to<T>(__fadd_rn(acc, term));
+        }
+        y[index] = berrylm::from_f32<T>(acc);
+    }
+}
+
+inline bool aligned16(const void* p) {
+    return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
+
+template <typename T, int VEC>
+void launch_projections(const T* x, const uint32_t* ids, const T* gate_up, const T* down, T* h,
+                        T* expert_out, int routed, int top_k, int experts, int hidden, int inter,
+                        cudaStream_t stream) {
+    const int by_row = routed < experts ? 1 : 0;
+    const unsigned int candidates = static_cast<unsigned int>(by_row ? routed : experts);
+    const dim3 gate_up_grid(candidates, (inter + kRowsPerBlock - 1) / kRowsPerBlock);
+    gate_up_kernel<T, VEC><<<gate_up_grid, kThreads, 0, stream>>>(
+        x, ids, gate_up, h, routed, top_k, experts, hidden, inter, by_row);
+    const dim3 down_grid(candidates, (hidden + kRowsPerBlock - 1) / kRowsPerBlock);
+    down_kernel<T, VEC><<<down_grid, kThreads, 0, stream>>>(h, ids, down, expert_out, routed,
+                                                           experts, hidden, inter, by_row);
+}
+
+template <typename T>
+int launch(const void* x, const float* weights, const uint32_t* ids, const void* gate_up,
+           const void* down, void* h, void* expert_out, void* y, int tokens, int top_k,
+           int experts, int hidden, int inter, cudaStream_t stream) {
+    const T* xp = static_cast<const T*>(x);
+    const T* gp = static_cast<const T*>(gate_up);
+    const T* dp = static_cast<const T*>(down);
+    T* hp = static_cast<T*>(h);
+    T* ep = static_cast<T*>(expert_out);
+    const int routed = tokens * top_k;
+    constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+    const bool vectorized = hidden % kVec == 0 && inter % kVec == 0 && aligned16(x) &&
+                            aligned16(gate_up) && aligned16(down) && aligned16(h);
+    if (vectorized) {
+        launch_projections<T, kVec>(xp, ids, gp, dp, hp, ep, routed, top_k, experts, hidden,
+                                    inter, stream);
+    } else {
+        launch_projections<T, 1>(xp, ids, gp, dp, hp, ep, routed, top_k, experts, hidden, inter,
+                                 stream);
+    }
+    const long long total = static_cast<long long>(tokens) * hidden;
+    const unsigned int blocks = berrylm::elementwise_blocks(total, kThreads);
+    combine_kernel<T><<<blocks, kThreads, 0, stream>>>(ep, weights, ids, static_cast<T*>(y),
+                                                      total, top_k, experts, hidden);
+    return berrylm::launch_status();
+}
+
+}  // namespace berrylm::moe
+
+using namespace berrylm::moe;
+
+// `h` ([tokens * top_k, inter]) and `expert_out` ([tokens * top_k, hidden])
+// are scratch of the activation dtype; `y` is [tokens, hidden].
+extern "C" int berrylm_moe_experts(int dtype, const void* x, const float* weights,
+                                   const uint32_t* ids, const void* gate_up, const void* down,
+                                   void* h, void* expert_out, void* y, int tokens, int top_k,
+                                   int experts, int hidden, int inter, void* stream) {
+    if (tokens == 0 || hidden == 0) return 0;
+    if (top_k <= 0 || experts <= 0 || inter <= 0 ||
+        static_cast<long long>(tokens) * top_k > kMaxRouted) {
+        return static_cast<int>(cudaErrorInvalidValue);
+    }
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    BERRYLM_DISPATCH_DTYPE(dtype, T, {
+        return launch<T>(x, weights, ids, gate_up, down, h, expert_out, y, tokens, top_k,
+                         experts, hidden, inter, s);
+    });
+    return 0;
+}

@@ -1,0 +1,129 @@
+// The q/k path of the gated full attention (spec 3.5 steps 2-3): the (1 + w)
+// RMSNorm of each head, then the partial NeoX rotary embedding, with the
+// rounding points of the CPU reference (round_x: to the dtype of x, RNE):
+//
+//   n[i] = round_x(x[i] / sqrt(sum(x^2) * inv_width + eps) * scale[i])
+//   y[i] = round_x(round_x(n[i] * cos[i]) + round_x(-n[i + R/2] * sin[i]))   i < R/2
+//   y[i] = round_x(round_x(n[i] * cos[i]) + round_x(n[i - R/2] * sin[i]))    R/2 <= i < R
+//   y[i] = n[i]                                                              i >= R
+//
+// The norm is norm.cu's (1 + w) kernel: squares rounded to f32 and summed
+// (lanes, then the row's warps in warp order), times the f32 `1/D`, + eps,
+// the root, a division and the product, each an IEEE f32 operation as on
+// the CPU; only the order of the sum differs. Every product and sum of the
+// rotation is a separate f32 operation (`__fmul_rn`/`__fadd_rn`: no FMA
+// contraction) on values rounded to the dtype, as candle's CPU ops compute
+// them.
+//
+// A row is one head of one token (`D` channels of x, at `x_row_stride`
+// elements from the previous row, so that the query half of the per-head
+// interleaved q_proj output is read in place); its token, row / heads,
+// selects the cos/sin row. One to eight warps per row, by width. A lane
+// writing a rotated channel recomputes its partner's `n` from x (the same
+// operations, so the same value) instead of exchanging it through shared
+// memory.
+#include "common.cuh"
+
+namespace berrylm::rope {
+
+constexpr int kWarpsPerBlock = 8;
+
+// n[i] of a row whose root is `rms`.
+template <typename T>
+__device__ __forceinline__ float normed(const T* __restrict__ xr, const float* __restrict__ scale,
+                                        int i, float rms) {
+    const float n = __fdiv_rn(berrylm::to_f32(xr[i]), rms);
+    return berrylm::round_to<T>(__fmul_rn(n, scale[i]));
+}
+
+// `warps_per_row` (1, 2, 4 or 8) warps per row, so kWarpsPerBlock /
+// warps_per_row rows per block; the lanes of a row's warps stride over it
+// together (coalesced).
+template <typename T>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32)
+    offset_rms_norm_rope_kernel(const T* __restrict__ x, long long x_row_stride,
+                                const float* __restrict__ scale, const T* __restrict__ cos_table,
+                                const T* __restrict__ sin_table, T* __restrict__ out, long long rows,
+                                int heads, int width, int rotary, int warps_per_row,
+                                float inv_width, float eps) {
+    __shared__ float partial[kWarpsPerBlock];
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int group = warp / warps_per_row;
+    const int rows_per_block = kWarpsPerBlock / warps_per_row;
+    const long long row = static_cast<long long>(blockIdx.x) * rows_per_block + group;
+    const bool active = row < rows;
+    const int first = (warp % warps_per_row) * 32 + lane;
+    const int stride = warps_per_row * 32;
+    const T* xr = x + (active ? row : 0) * x_row_stride;
+    float sum_sq = 0.0f;
+    if (active) {
+        for (int i = first; i < width; i += stride) {
+            const float v = berrylm::to_f32(xr[i]);
+            sum_sq = __fadd_rn(sum_sq, __fmul_rn(v, v));
+        }
+    }
+    sum_sq = berrylm::warp_sum(sum_sq);
+    if (warps_per_row > 1) {  // uniform over the block
+        if (lane == 0) partial[warp] = sum_sq;
+        __syncthreads();
+        sum_sq = 0.0f;
+        for (int w = 0; w < warps_per_row; ++w) {
+            sum_sq = __fadd_rn(sum_sq, partial[group * warps_per_row + w]);
+        }
+    }
+    if (!active) return;
+    const float rms = __fsqrt_rn(__fadd_rn(__fmul_rn(sum_sq, inv_width), eps));
+    const int half = rotary / 2;
+    const long long token = row / heads;
+    const T* cr = cos_table + token * rotary;
+    const T* sr = sin_table + token * rotary;
+    T* yr = out + row * width;
+    for (int i = first; i < width; i += stride) {
+        const float n = normed(xr, scale, i, rms);
+        if (i >= rotary) {
+            yr[i] = berrylm::from_f32<T>(n);
+            continue;
+        }
+        const float partner =
+            i < half ? -normed(xr, scale, i + half, rms) : normed(xr, scale, i - half, rms);
+        const float cos_term = berrylm::round_to<T>(__fmul_rn(n, berrylm::to_f32(cr[i])));
+        const float sin_term = berrylm::round_to<T>(__fmul_rn(partner, berrylm::to_f32(sr[i])));
+        yr[i] = berrylm::from_f32<T>(__fadd_rn(cos_term, sin_term));
+    }
+}
+
+}  // namespace berrylm::rope
+
+using namespace berrylm::rope;
+
+// x: rows of `width` elements at `x_row_stride` (>= width) elements, rows =
+// B * T * heads; cos_table, sin_table: contiguous [B * T, rotary]; out:
+// contiguous [rows, width]. `inv_width` is 1/width rounded to f32 (what
+// candle's mean multiplies by).
+extern "C" int berrylm_offset_rms_norm_rope(int dtype, const void* x, long long x_row_stride,
+                                            const float* scale, const void* cos_table,
+                                            const void* sin_table, void* out, long long rows,
+                                            int heads, int width, int rotary, float inv_width,
+                                            float eps, void* stream) {
+    if (rows == 0) return 0;
+    if (heads <= 0 || width <= 0 || x_row_stride < width || rotary <= 0 || rotary % 2 != 0 ||
+        rotary > width) {
+        return static_cast<int>(cudaErrorInvalidValue);
+    }
+    // As norm.cu: at most 8 values per thread up to width 2048; a whole
+    // block per row from width 1025 on.
+    const int warps_per_row = width <= 256 ? 1 : width <= 512 ? 2 : width <= 1024 ? 4 : 8;
+    const int rows_per_block = kWarpsPerBlock / warps_per_row;
+    const long long blocks = (rows + rows_per_block - 1) / rows_per_block;
+    if (blocks > 0x7fffffffll) return static_cast<int>(cudaErrorInvalidValue);
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    BERRYLM_DISPATCH_DTYPE(dtype, T, {
+        offset_rms_norm_rope_kernel<T>
+            <<<static_cast<unsigned int>(blocks), kWarpsPerBlock * 32, 0, s>>>(
+                static_cast<const T*>(x), x_row_stride, scale, static_cast<const T*>(cos_table),
+                static_cast<const T*>(sin_table), static_cast<T*>(out), rows, heads, width, rotary,
+                warps_per_row, inv_width, eps);
+    });
+    return berrylm::launch_status();
+}

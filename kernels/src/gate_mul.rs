@@ -1,0 +1,77 @@
+//! The output gate of the gated full attention (spec 3.5 step 5).
+
+use candle_core::{Device, Tensor};
+
+use crate::{
+    expect_device, float_dims, invalid_argument, round_to_dtype, tensor_from_f32, to_f32_vec,
+    unsupported_device, Result,
+};
+
+const OP: &str = "sigmoid_gate_mul";
+
+/// The attention output gated by the sigmoid of the gate half of `q_proj`:
+///
+/// ```text
+/// s = round(1 / (exp(-gate) + 1))      (gate in f32)
+/// y = round(x * s)                     (in f32)
+/// ```
+///
+/// where `round` rounds to the dtype of `x`: PyTorch's `o * sigmoid(gate)`
+/// in that dtype (the sigmoid computed in f32 and rounded once, then the
+/// product).
+///
+/// * `x`: `[B, T, H, D]`, any layout (made contiguous first).
+/// * `gate`: `[B, T, H, D]` in the dtype of `x`, any layout; a view whose
+///   last dimension is contiguous and whose rows of `D` lie at one stride
+///   (the gate half of the per-head interleaved `q_proj` output,
+///   `[B, T, H, 2D]` narrowed to its last `D` channels) is read in place on
+///   CUDA, others are made contiguous first.
+///
+/// Returns a contiguous `[B, T, H, D]` in the dtype of `x`.
+pub fn sigmoid_gate_mul(x: &Tensor, gate: &Tensor) -> Result<Tensor> {
+    let dims = float_dims::<4>(OP, "x", x)?;
+    let gate_dims = float_dims::<4>(OP, "gate", gate)?;
+    if gate_dims != dims {
+        return Err(invalid_argument(
+            OP,
+            "gate",
+            format!("shape {gate_dims:?} differs from the shape of `x` {dims:?}"),
+        ));
+    }
+    if gate.dtype() != x.dtype() {
+        return Err(invalid_argument(
+            OP,
+            "gate",
+            format!(
+                "dtype {:?} differs from the dtype of `x` {:?}",
+                gate.dtype(),
+                x.dtype()
+            ),
+        ));
+    }
+    let device = x.device();
+    expect_device(OP, "gate", gate, device)?;
+    match device {
+        Device::Cpu => cpu_sigmoid_gate_mul(x, gate, &dims),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => crate::cuda::sigmoid_gate_mul(x, gate, &dims),
+        other => Err(unsupported_device(OP, other)),
+    }
+}
+
+fn cpu_sigmoid_gate_mul(x: &Tensor, gate: &Tensor, dims: &[usize]) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let gates = round_to_dtype(
+        to_f32_vec(gate)?
+            .into_iter()
+            .map(|gate| 1.0 / ((-gate).exp() + 1.0))
+            .collect(),
+        dtype,
+    )?;
+    let product = to_f32_vec(x)?
+        .into_iter()
+        .zip(gates)
+        .map(|(value, gate)| value * gate)
+        .collect();
+    tensor_from_f32(product, dims, dtype)
+}

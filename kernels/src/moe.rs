@@ -1,0 +1,216 @@
+//! The routed experts of the MoE block (spec 3.7 step 3) for decode-sized
+//! batches, with the reference's rounding points.
+
+use std::collections::hash_map::Entry;
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, IndexOp, Tensor};
+
+use crate::{
+    expect_device, float_dims, invalid_argument, round_to_dtype, silu, tensor_from_f32, to_f32_vec,
+    unsupported_device, Result,
+};
+
+const OP: &str = "moe_experts";
+
+/// The most routed rows (tokens times top-k) one [`moe_experts`] call takes
+/// on CUDA.
+pub const MOE_EXPERTS_MAX_ROUTED_ROWS: usize = 4096;
+
+/// The weighted sum of every token's routed experts:
+///
+/// ```text
+/// for each of the token's experts e = ids[n, s], weight w = weights[n, s]:
+///   gate | up = round(W_gu[e] x_n)           (2I dot products in f32)
+///   h         = round(round(silu(gate)) * up)
+///   out_e     = round(W_d[e] h)              (H dot products in f32)
+///   term_e    = round(w * out_e)
+/// y_n = the terms added in increasing expert id, each addition rounded,
+///       starting from zero
+/// ```
+///
+/// where `round` rounds to the dtype of `x`: the reference's loop over the
+/// experts it hit, in order, each `expert(x) * w` accumulated with
+/// `index_add_` in the activation dtype.
+///
+/// * `x`: `[N, H]`.
+/// * `weights`: `[N, k]`, any float dtype (read as f32; [`crate::moe_route`]'s
+///   weights hold values of the activation dtype).
+/// * `ids`: `[N, k]` `u32`, distinct within a row and below `E`.
+/// * `gate_up`: `[E, 2I, H]`, each expert's gate rows then its up rows;
+///   `down`: `[E, H, I]`; both in the dtype of `x`.
+///
+/// Returns `[N, H]` in the dtype of `x`.
+///
+/// On CUDA (at most [`MOE_EXPERTS_MAX_ROUTED_ROWS`] routed rows `N * k`)
+/// three launches: each expert's
+/// weights are read once per group of up to 8 of the tokens routed to it,
+/// which suits decode; long prompts belong to tensor-core GEMMs. The CPU
+/// fails on an id at or above `E`; CUDA cannot check the ids without waiting
+/// for the device and skips such an id.
+pub fn moe_experts(
+    x: &Tensor,
+    weights: &Tensor,
+    ids: &Tensor,
+    gate_up: &Tensor,
+    down: &Tensor,
+) -> Result<Tensor> {
+    let [tokens, hidden] = float_dims::<2>(OP, "x", x)?;
+    let [weight_rows, top_k] = float_dims::<2>(OP, "weights", weights)?;
+    let [experts, _, _] = float_dims::<3>(OP, "gate_up", gate_up)?;
+    let [_, _, inter] = float_dims::<3>(OP, "down", down)?;
+    if ids.dtype() != DType::U32 || ids.dims() != [tokens, top_k] {
+        return Err(invalid_argument(
+            OP,
+            "ids",
+            format!(
+                "expected u32 [{tokens}, {top_k}], got {:?} {:?}",
+                ids.dtype(),
+                ids.dims()
+            ),
+        ));
+    }
+    if weight_rows != tokens {
+        return Err(invalid_argument(
+            OP,
+            "weights",
+            format!("{weight_rows} rows for {tokens} tokens"),
+        ));
+    }
+    let expected = [
+        (
+            "gate_up",
+            gate_up.dims().to_vec(),
+            vec![experts, 2 * inter, hidden],
+        ),
+        ("down", down.dims().to_vec(), vec![experts, hidden, inter]),
+    ];
+    for (arg, got, want) in expected {
+        if got != want {
+            return Err(invalid_argument(
+                OP,
+                arg,
+                format!("shape {got:?}, expected {want:?} (E, 2I, H from the inputs)"),
+            ));
+        }
+    }
+    for (arg, tensor) in [("gate_up", gate_up), ("down", down)] {
+        if tensor.dtype() != x.dtype() {
+            return Err(invalid_argument(
+                OP,
+                arg,
+                format!(
+                    "dtype {:?} differs from the activations' {:?}",
+                    tensor.dtype(),
+                    x.dtype()
+                ),
+            ));
+        }
+    }
+    let device = x.device();
+    for (arg, tensor) in [
+        ("weights", weights),
+        ("ids", ids),
+        ("gate_up", gate_up),
+        ("down", down),
+    ] {
+        expect_device(OP, arg, tensor, device)?;
+    }
+    if inter == 0 || experts == 0 || top_k == 0 {
+        return Err(invalid_argument(
+            OP,
+            "gate_up",
+            format!("empty experts: E {experts}, I {inter}, k {top_k}"),
+        ));
+    }
+    match device {
+        Device::Cpu => cpu_moe_experts(x, weights, ids, gate_up, down, inter),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => crate::cuda::moe_experts(
+            x,
+            weights,
+            ids,
+            gate_up,
+            down,
+            &crate::cuda::MoeDims {
+                tokens,
+                top_k,
+                experts,
+                hidden,
+                inter,
+            },
+        ),
+        other => Err(unsupported_device(OP, other)),
+    }
+}
+
+/// `sum_c row[c] * v[c]` in f32, in index order.
+fn dot(row: &[f32], v: &[f32]) -> f32 {
+    row.iter().zip(v).map(|(a, b)| a * b).sum()
+}
+
+fn cpu_moe_experts(
+    x: &Tensor,
+    weights: &Tensor,
+    ids: &Tensor,
+    gate_up: &Tensor,
+    down: &Tensor,
+    inter: usize,
+) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let (tokens, hidden) = x.dims2()?;
+    let top_k = ids.dim(1)?;
+    let experts = gate_up.dim(0)?;
+    let x = to_f32_vec(x)?;
+    let weights = to_f32_vec(weights)?;
+    let ids: Vec<u32> = ids.flatten_all()?.to_vec1()?;
+    if let Some(&bad) = ids.iter().find(|&&id| id as usize >= experts) {
+        return Err(invalid_argument(
+            OP,
+            "ids",
+            format!("expert id {bad} is not below the {experts} experts"),
+        ));
+    }
+    // Only the experts some token chose are widened to f32.
+    let mut expert_weights: HashMap<u32, (Vec<f32>, Vec<f32>)> = HashMap::new();
+    let mut y = Vec::with_capacity(tokens * hidden);
+    for token in 0..tokens {
+        let x_n = &x[token * hidden..(token + 1) * hidden];
+        let mut slots: Vec<usize> = (0..top_k).collect();
+        slots.sort_by_key(|&slot| ids[token * top_k + slot]);
+        let mut acc = vec![0f32; hidden];
+        for slot in slots {
+            let expert = ids[token * top_k + slot];
+            if let Entry::Vacant(entry) = expert_weights.entry(expert) {
+                let index = expert as usize;
+                entry.insert((
+                    to_f32_vec(&gate_up.i(index)?)?,
+                    to_f32_vec(&down.i(index)?)?,
+                ));
+            }
+            let (gate_up_e, down_e) = &expert_weights[&expert];
+            let projected = round_to_dtype(
+                gate_up_e
+                    .chunks_exact(hidden)
+                    .map(|row| dot(row, x_n))
+                    .collect(),
+                dtype,
+            )?;
+            let (gate, up) = projected.split_at(inter);
+            let activated = round_to_dtype(gate.iter().map(|&g| silu(g)).collect(), dtype)?;
+            let h = round_to_dtype(
+                activated.iter().zip(up).map(|(a, u)| a * u).collect(),
+                dtype,
+            )?;
+            let out = round_to_dtype(
+                down_e.chunks_exact(inter).map(|row| dot(row, &h)).collect(),
+                dtype,
+            )?;
+            let weight = weights[token * top_k + slot];
+            let terms = round_to_dtype(out.iter().map(|o| weight * o).collect(), dtype)?;
+            acc = round_to_dtype(acc.iter().zip(&terms).map(|(a, t)| a + t).collect(), dtype)?;
+        }
+        y.extend(acc);
+    }
+    tensor_from_f32(y, &[tokens, hidden], dtype)
+}

@@ -1,0 +1,140 @@
+//! The q/k path of the gated full attention (spec 3.5 steps 2-3): the
+//! `(1 + w)` RMSNorm of each head followed by the partial NeoX rotary
+//! embedding, in one operation.
+
+use candle_core::{DType, Device, Tensor, D};
+
+use crate::norm::cpu_offset_rms_norm;
+use crate::{expect_device, expect_dim, float_dims, invalid_argument, unsupported_device, Result};
+
+const OP: &str = "offset_rms_norm_rope";
+
+/// [`offset_rms_norm`](crate::offset_rms_norm) over the head dim of `x`,
+/// then the partial NeoX rotation of the first `R` channels of each head by
+/// its token's `cos`/`sin` (channel `i` pairs with `i + R/2`), the other
+/// channels passing through:
+///
+/// ```text
+/// n    = round(x / sqrt(mean(x^2) + eps) * scale)                 (x in f32)
+/// y[i] = round(round(n[i] * cos[i]) + round(-n[i + R/2] * sin[i]))   i < R/2
+/// y[i] = round(round(n[i] * cos[i]) + round(n[i - R/2] * sin[i]))    R/2 <= i < R
+/// y[i] = n[i]                                                        i >= R
+/// ```
+///
+/// where `round` rounds to the dtype of `x` and every product and sum is an
+/// `f32` operation on the rounded operands: the rounding points of
+/// PyTorch's `q_norm(q)` followed by `q * cos + rotate_half(q) * sin` in
+/// that dtype.
+///
+/// * `x`: `[B, T, H, D]`, any layout; a view whose last dimension is
+///   contiguous and whose rows of `D` lie at one stride (the query half of
+///   the per-head interleaved `q_proj` output, `[B, T, H, 2D]` narrowed to
+///   its first `D` channels) is read in place on CUDA, others are made
+///   contiguous first.
+/// * `scale`: `[D]`, `f32`, holding `1 + w` as for `offset_rms_norm`.
+/// * `cos`, `sin`: `[B, T, R]` in the dtype of `x`, one row per token;
+///   `R` is positive, even and at most `D`.
+///
+/// Returns a contiguous `[B, T, H, D]` in the dtype of `x`. On the CPU this
+/// is the candle op sequence of `offset_rms_norm`, then `narrow`s, `neg`,
+/// `cat`, two `broadcast_mul`s, the sum and the `cat` of the pass-through
+/// channels, so results are those of that sequence bit for bit.
+pub fn offset_rms_norm_rope(
+    x: &Tensor,
+    scale: &Tensor,
+    eps: f64,
+    cos: &Tensor,
+    sin: &Tensor,
+) -> Result<Tensor> {
+    let [batch, seq_len, _, width] = float_dims::<4>(OP, "x", x)?;
+    if width == 0 {
+        return Err(invalid_argument(
+            OP,
+            "x",
+            "the head dim (dim 3) must be positive".to_string(),
+        ));
+    }
+    let [scale_len] = float_dims::<1>(OP, "scale", scale)?;
+    if scale.dtype() != DType::F32 {
+        return Err(invalid_argument(
+            OP,
+            "scale",
+            format!(
+                "dtype {:?} is not supported (expected f32: `1 + w` is kept in f32)",
+                scale.dtype()
+            ),
+        ));
+    }
+    expect_dim(OP, "scale", "length", scale_len, width)?;
+    let [_, _, rotary] = float_dims::<3>(OP, "cos", cos)?;
+    if rotary == 0 || rotary % 2 != 0 || rotary > width {
+        return Err(invalid_argument(
+            OP,
+            "cos",
+            format!(
+                "the rotary width (dim 2) is {rotary}; it must be positive, even and at most \
+                 the head dim {width}"
+            ),
+        ));
+    }
+    let device = x.device();
+    for (arg, table) in [("cos", cos), ("sin", sin)] {
+        if table.dims() != [batch, seq_len, rotary] {
+            return Err(invalid_argument(
+                OP,
+                arg,
+                format!(
+                    "shape {:?} differs from the expected {:?}",
+                    table.dims(),
+                    [batch, seq_len, rotary]
+                ),
+            ));
+        }
+        if table.dtype() != x.dtype() {
+            return Err(invalid_argument(
+                OP,
+                arg,
+                format!(
+                    "dtype {:?} differs from the dtype of `x` {:?}",
+                    table.dtype(),
+                    x.dtype()
+                ),
+            ));
+        }
+        expect_device(OP, arg, table, device)?;
+    }
+    expect_device(OP, "scale", scale, device)?;
+    match device {
+        Device::Cpu => cpu_offset_rms_norm_rope(x, scale, eps, cos, sin, rotary),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => crate::cuda::offset_rms_norm_rope(x, scale, eps, cos, sin, rotary),
+        other => Err(unsupported_device(OP, other)),
+    }
+}
+
+fn cpu_offset_rms_norm_rope(
+    x: &Tensor,
+    scale: &Tensor,
+    eps: f64,
+    cos: &Tensor,
+    sin: &Tensor,
+    rotary: usize,
+) -> Result<Tensor> {
+    let normed = cpu_offset_rms_norm(x, scale, eps)?;
+    let width = normed.dim(D::Minus1)?;
+    let half = rotary / 2;
+    let rotated = normed.narrow(D::Minus1, 0, rotary)?;
+    let first = rotated.narrow(D::Minus1, 0, half)?;
+    let second = rotated.narrow(D::Minus1, half, half)?;
+    let rotate_half = Tensor::cat(&[&second.neg()?, &first], D::Minus1)?;
+    let cos_term = rotated.broadcast_mul(&cos.unsqueeze(2)?)?;
+    let sin_term = rotate_half.broadcast_mul(&sin.unsqueeze(2)?)?;
+    let out = (cos_term + sin_term)?;
+    if rotary == width {
+        return Ok(out);
+    }
+    let pass = normed.narrow(D::Minus1, rotary, width - rotary)?;
+    // candle concatenates non-contiguous views along the last dimension into
+    // a transposed layout.
+    Ok(Tensor::cat(&[&out, &pass], D::Minus1)?.contiguous()?)
+}
