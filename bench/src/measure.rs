@@ -58,7 +58,11 @@ pub fn op_costs(device: &Device, dtype: DType, hidden: usize) -> Result<Vec<OpCo
     let normal = |dims: &[usize]| -> Result<Tensor> {
         Ok(Tensor::randn(0f32, 1.0, dims, device)?.to_dtype(dtype)?)
     };
-    let (x, y, gate) = (normal(&[1, hidden])?, normal(&[1, hidden])?, normal(&[1, 1])?);
+    let (x, y, gate) = (
+        normal(&[1, hidden])?,
+        normal(&[1, hidden])?,
+        normal(&[1, 1])?,
+    );
     let wide = normal(&[2, 3 * hidden])?;
     let weight = (normal(&[hidden, hidden])? * 0.02)?;
     let scale = Tensor::ones(hidden, DType::F32, device)?;

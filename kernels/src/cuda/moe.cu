@@ -24,8 +24,9 @@ namespace berrylm::moe {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kRowsPerWarp = 4;
-constexpr int kRowsPerBlock = kWarps * kRowsPerWarp;
+// One weight row per warp: at batch 1 the step reads 8 experts' rows, and
+// many small blocks keep more of those reads in flight than fewer big ones.
+constexpr int kRowsPerBlock = kWarps;
 constexpr int kTokens = 8;
 // Must match MAX_MOE_ROUTED_ROWS in src/cuda/moe.rs.
 constexpr int kMaxRouted = 4096;
@@ -98,45 +99,43 @@ __global__ void __launch_bounds__(kThreads)
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const T* weights = gate_up + static_cast<long long>(expert) * 2 * inter * hidden;
+    const int j = blockIdx.y * kRowsPerBlock + warp;
+    if (j >= inter) return;
     for (int t0 = 0; t0 < count; t0 += kTokens) {
         const int tokens = min(kTokens, count - t0);
-        for (int q = 0; q < kRowsPerWarp; ++q) {
-            const int j = blockIdx.y * kRowsPerBlock + warp * kRowsPerWarp + q;
-            if (j >= inter) break;
-            const T* gate_row = weights + static_cast<long long>(j) * hidden;
-            const T* up_row = weights + static_cast<long long>(inter + j) * hidden;
-            float gate[kTokens] = {};
-            float up[kTokens] = {};
+        const T* gate_row = weights + static_cast<long long>(j) * hidden;
+        const T* up_row = weights + static_cast<long long>(inter + j) * hidden;
+        float gate[kTokens] = {};
+        float up[kTokens] = {};
 #pragma unroll 2
-            for (int c = lane * VEC; c < hidden; c += 32 * VEC) {
-                float wg[VEC];
-                float wu[VEC];
-                load_vec<T, VEC>(gate_row + c, wg);
-                load_vec<T, VEC>(up_row + c, wu);
-#pragma unroll
-                for (int t = 0; t < kTokens; ++t) {
-                    if (t < tokens) {
-                        float xv[VEC];
-                        load_vec<T, VEC>(
-                            x + static_cast<long long>(rows[t0 + t] / top_k) * hidden + c, xv);
-#pragma unroll
-                        for (int v = 0; v < VEC; ++v) {
-                            gate[t] = fmaf(wg[v], xv[v], gate[t]);
-                            up[t] = fmaf(wu[v], xv[v], up[t]);
-                        }
-                    }
-                }
-            }
+        for (int c = lane * VEC; c < hidden; c += 32 * VEC) {
+            float wg[VEC];
+            float wu[VEC];
+            load_vec<T, VEC>(gate_row + c, wg);
+            load_vec<T, VEC>(up_row + c, wu);
 #pragma unroll
             for (int t = 0; t < kTokens; ++t) {
                 if (t < tokens) {
-                    const float g = berrylm::round_to<T>(berrylm::warp_sum(gate[t]));
-                    const float u = berrylm::round_to<T>(berrylm::warp_sum(up[t]));
-                    if (lane == 0) {
-                        const float activated = berrylm::round_to<T>(berrylm::silu(g));
-                        h[static_cast<long long>(rows[t0 + t]) * inter + j] =
-                            berrylm::from_f32<T>(__fmul_rn(activated, u));
+                    float xv[VEC];
+                    load_vec<T, VEC>(
+                        x + static_cast<long long>(rows[t0 + t] / top_k) * hidden + c, xv);
+#pragma unroll
+                    for (int v = 0; v < VEC; ++v) {
+                        gate[t] = fmaf(wg[v], xv[v], gate[t]);
+                        up[t] = fmaf(wu[v], xv[v], up[t]);
                     }
+                }
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < kTokens; ++t) {
+            if (t < tokens) {
+                const float g = berrylm::round_to<T>(berrylm::warp_sum(gate[t]));
+                const float u = berrylm::round_to<T>(berrylm::warp_sum(up[t]));
+                if (lane == 0) {
+                    const float activated = berrylm::round_to<T>(berrylm::silu(g));
+                    h[static_cast<long long>(rows[t0 + t]) * inter + j] =
+                        berrylm::from_f32<T>(__fmul_rn(activated, u));
                 }
             }
         }
@@ -156,35 +155,33 @@ __global__ void __launch_bounds__(kThreads)
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const T* weights = down + static_cast<long long>(expert) * hidden * inter;
+    const int i = blockIdx.y * kRowsPerBlock + warp;
+    if (i >= hidden) return;
     for (int t0 = 0; t0 < count; t0 += kTokens) {
         const int tokens = min(kTokens, count - t0);
-        for (int q = 0; q < kRowsPerWarp; ++q) {
-            const int i = blockIdx.y * kRowsPerBlock + warp * kRowsPerWarp + q;
-            if (i >= hidden) break;
-            const T* row = weights + static_cast<long long>(i) * inter;
-            float sum[kTokens] = {};
+        const T* row = weights + static_cast<long long>(i) * inter;
+        float sum[kTokens] = {};
 #pragma unroll 2
-            for (int c = lane * VEC; c < inter; c += 32 * VEC) {
-                float w[VEC];
-                load_vec<T, VEC>(row + c, w);
-#pragma unroll
-                for (int t = 0; t < kTokens; ++t) {
-                    if (t < tokens) {
-                        float hv[VEC];
-                        load_vec<T, VEC>(h + static_cast<long long>(rows[t0 + t]) * inter + c, hv);
-#pragma unroll
-                        for (int v = 0; v < VEC; ++v) sum[t] = fmaf(w[v], hv[v], sum[t]);
-                    }
-                }
-            }
+        for (int c = lane * VEC; c < inter; c += 32 * VEC) {
+            float w[VEC];
+            load_vec<T, VEC>(row + c, w);
 #pragma unroll
             for (int t = 0; t < kTokens; ++t) {
                 if (t < tokens) {
-                    const float total = berrylm::warp_sum(sum[t]);
-                    if (lane == 0) {
-                        out[static_cast<long long>(rows[t0 + t]) * hidden + i] =
-                            berrylm::from_f32<T>(total);
-                    }
+                    float hv[VEC];
+                    load_vec<T, VEC>(h + static_cast<long long>(rows[t0 + t]) * inter + c, hv);
+#pragma unroll
+                    for (int v = 0; v < VEC; ++v) sum[t] = fmaf(w[v], hv[v], sum[t]);
+                }
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < kTokens; ++t) {
+            if (t < tokens) {
+                const float total = berrylm::warp_sum(sum[t]);
+                if (lane == 0) {
+                    out[static_cast<long long>(rows[t0 + t]) * hidden + i] =
+                        berrylm::from_f32<T>(total);
                 }
             }
         }

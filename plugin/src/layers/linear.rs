@@ -57,9 +57,11 @@ impl Module for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         // Up to 8 rows on CUDA (decode) take the host's GEMV kernel, as the
         // host's own linear layers do: one launch, cheaper for the host to
-        // dispatch than a cuBLAS product (docs/performance.md).
+        // dispatch than a cuBLAS product (docs/performance.md). That kernel
+        // reads pairs of elements, so a view (a column slice of a stacked
+        // projection) must start at an even element.
         #[cfg(feature = "cuda")]
-        if mistralrs_quant::should_use_gemv(x, &self.weight) {
+        if mistralrs_quant::should_use_gemv(x, &self.weight) && x.layout().start_offset() % 2 == 0 {
             return mistralrs_quant::gemv(x, &self.weight, self.bias.as_ref());
         }
         matmul_add(x, &self.weight.t()?, self.bias.as_ref())
