@@ -4,13 +4,11 @@
 
 use std::ffi::{c_int, c_void};
 
-use candle_core::cuda_backend::cudarc::driver::{sys::CUdeviceptr, DevicePtrMut};
-use candle_core::cuda_backend::CudaStorageSlice;
-use candle_core::{CudaStorage, DType, InplaceOp1, Layout, Shape, Tensor};
+use candle_core::{DType, Shape, Tensor};
 
 use super::{
-    c_size, check, cuda_device, dtype_code, input_ptr, into_tensor, output_ptr, storage_address,
-    Input, Launch,
+    c_size, check, cuda_device, dtype_code, input_ptr, into_tensor, launch_in_pool, output_ptr,
+    reject_inputs_in_pool, Input, Launch,
 };
 use crate::{invalid_argument, Result};
 
@@ -34,85 +32,6 @@ extern "C" {
         kernel_size: c_int,
         stream: *mut c_void,
     ) -> c_int;
-}
-
-/// The launch of `berrylm_causal_conv1d_in_pool` once every other address is
-/// known; run through [`Tensor::inplace_op1`] on the pool, which holds the
-/// pool's write lock and hands out its storage mutably (so the write is
-/// recorded as one).
-struct ConvPoolLaunch<'a> {
-    launch: &'a Launch,
-    x_dtype: c_int,
-    x: CUdeviceptr,
-    weight: CUdeviceptr,
-    slots: CUdeviceptr,
-    pool_rows: c_int,
-    outs: &'a [*mut c_void],
-    widths: &'a [c_int],
-    /// `[B, T, C, K]`.
-    sizes: [c_int; 4],
-}
-
-impl InplaceOp1 for ConvPoolLaunch<'_> {
-    fn name(&self) -> &'static str {
-        "causal_conv1d_split_in_pool"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _storage: &mut candle_core::CpuStorage,
-        _layout: &Layout,
-    ) -> candle_core::Result<()> {
-        // `causal_conv1d_split_in_pool` dispatches CPU pools to the CPU
-        // reference.
-        candle_core::bail!("{OP}: the CUDA launch got a CPU pool")
-    }
-
-    fn cuda_fwd(&self, storage: &mut CudaStorage, layout: &Layout) -> candle_core::Result<()> {
-        let stream = &self.launch.stream;
-        let (base, _guard, pool_dtype) = match &mut storage.slice {
-            CudaStorageSlice::F32(slice) => {
-                let (base, guard) = slice.device_ptr_mut(stream);
-                (base, guard, DType::F32)
-            }
-            CudaStorageSlice::BF16(slice) => {
-                let (base, guard) = slice.device_ptr_mut(stream);
-                (base, guard, DType::BF16)
-            }
-            CudaStorageSlice::F16(slice) => {
-                let (base, guard) = slice.device_ptr_mut(stream);
-                (base, guard, DType::F16)
-            }
-            _ => candle_core::bail!("{OP}: the pool's dtype is not f32, bf16 or f16"),
-        };
-        let pool = base + (layout.start_offset() * pool_dtype.size_in_bytes()) as CUdeviceptr;
-        let pool_dtype = dtype_code(OP, pool_dtype)?;
-        let [batch, seq_len, channels, kernel_size] = self.sizes;
-        // SAFETY: as in `kda_gate`; the pool is `pool_rows` contiguous rows
-        // of `C * K` elements of its dtype from `pool`, and the kernels touch
-        // only rows `slots[b] < pool_rows`; `outs` and `widths` live across
-        // the call.
-        let code = unsafe {
-            berrylm_causal_conv1d_in_pool(
-                self.x_dtype,
-                pool_dtype,
-                self.x as *const c_void,
-                self.weight as *const f32,
-                pool as *mut c_void,
-                self.slots as *const u32,
-                self.pool_rows,
-                self.outs.as_ptr(),
-                self.widths.as_ptr(),
-                self.widths.len() as c_int,
-                batch,
-                seq_len,
-                channels,
-                kernel_size,
-                self.launch.raw_stream(),
-            )
-        };
-        check(OP, code).map_err(Into::into)
-    }
 }
 
 /// CUDA `causal_conv1d_split_in_pool`; arguments already validated by the
@@ -143,19 +62,11 @@ pub(crate) fn causal_conv1d_in_pool(
     let x = Input::new(x, None)?;
     let weight = Input::new(weight, Some(DType::F32))?;
     let slots = Input::new(slots, None)?;
-    // The pool's write lock is taken while the inputs' read locks are held;
-    // an input sharing the pool's storage would deadlock there (and race
-    // with the kernel's writes), so it is rejected.
-    let pool_storage = storage_address(pool);
-    for (arg, input) in [("x", &x), ("weight", &weight), ("slots", &slots)] {
-        if storage_address(&input.tensor) == pool_storage {
-            return Err(invalid_argument(
-                OP,
-                arg,
-                "shares its storage with `pool`".to_string(),
-            ));
-        }
-    }
+    reject_inputs_in_pool(
+        OP,
+        pool,
+        &[("x", &x), ("weight", &weight), ("slots", &slots)],
+    )?;
     let out_shapes = widths
         .iter()
         .map(|&width| Shape::from_dims(&[batch, seq_len, width]))
@@ -168,6 +79,14 @@ pub(crate) fn causal_conv1d_in_pool(
         .iter()
         .map(|&width| c_size(OP, "widths", width))
         .collect::<Result<Vec<_>>>()?;
+    let x_dtype = dtype_code(OP, x.dtype())?;
+    let pool_rows = c_size(OP, "pool", pool_rows)?;
+    let sizes = [
+        c_size(OP, "x", batch)?,
+        c_size(OP, "x", seq_len)?,
+        c_size(OP, "x", channels)?,
+        c_size(OP, "weight", kernel_size)?,
+    ];
     {
         input_ptrs!(OP, launch, x_p <- x, weight_p <- weight, slots_p <- slots);
         let out_ps = outs
@@ -178,21 +97,32 @@ pub(crate) fn causal_conv1d_in_pool(
             .iter()
             .map(|(address, _)| *address as *mut c_void)
             .collect::<Vec<_>>();
-        pool.inplace_op1(&ConvPoolLaunch {
-            launch: &launch,
-            x_dtype: dtype_code(OP, x.dtype())?,
-            x: x_p.0,
-            weight: weight_p.0,
-            slots: slots_p.0,
-            pool_rows: c_size(OP, "pool", pool_rows)?,
-            outs: &out_addresses,
-            widths: &c_widths,
-            sizes: [
-                c_size(OP, "x", batch)?,
-                c_size(OP, "x", seq_len)?,
-                c_size(OP, "x", channels)?,
-                c_size(OP, "weight", kernel_size)?,
-            ],
+        launch_in_pool(OP, pool, &launch.stream, |pool, pool_dtype| {
+            let [batch, seq_len, channels, kernel_size] = sizes;
+            // SAFETY: as in `kda_gate`; the pool is `pool_rows` contiguous
+            // rows of `C * K` elements of its dtype from `pool`, and the
+            // kernels touch only rows `slots[b] < pool_rows`; `out_addresses`
+            // and `c_widths` live across the call.
+            let code = unsafe {
+                berrylm_causal_conv1d_in_pool(
+                    x_dtype,
+                    dtype_code(OP, pool_dtype)?,
+                    x_p.0 as *const c_void,
+                    weight_p.0 as *const f32,
+                    pool as *mut c_void,
+                    slots_p.0 as *const u32,
+                    pool_rows,
+                    out_addresses.as_ptr(),
+                    c_widths.as_ptr(),
+                    c_widths.len() as c_int,
+                    batch,
+                    seq_len,
+                    channels,
+                    kernel_size,
+                    launch.raw_stream(),
+                )
+            };
+            check(OP, code)
         })?;
     }
     Ok(outs

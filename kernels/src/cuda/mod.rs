@@ -671,28 +671,54 @@ fn storage_address(tensor: &Tensor) -> *const Storage {
     &*storage as *const Storage
 }
 
-/// The launch of `berrylm_kda_recurrence_in_pool` once every input address is
-/// known; run through [`Tensor::inplace_op1`] on the pool, which holds the
-/// pool's write lock and hands out its storage mutably (so the write is
-/// recorded as one).
-struct PoolLaunch<'a> {
-    launch: &'a Launch,
-    qkv_dtype: c_int,
-    q: CUdeviceptr,
-    k: CUdeviceptr,
-    v: CUdeviceptr,
-    g: CUdeviceptr,
-    beta: CUdeviceptr,
-    slots: CUdeviceptr,
-    out: CUdeviceptr,
-    pool_rows: c_int,
-    sizes: [c_int; 6],
-    prefill_algorithm: c_int,
+/// Fails, naming the argument, if one of `inputs` shares its storage with
+/// `pool`: the in-place launches take the pool's write lock while they hold
+/// the inputs' read locks, which such an input would deadlock (and the
+/// kernel's writes would race with its reads). Call before taking the
+/// inputs' locks.
+fn reject_inputs_in_pool(
+    op: &'static str,
+    pool: &Tensor,
+    inputs: &[(&'static str, &Input)],
+) -> Result<()> {
+    let pool_storage = storage_address(pool);
+    match inputs
+        .iter()
+        .find(|(_, input)| storage_address(&input.tensor) == pool_storage)
+    {
+        Some((arg, _)) => Err(invalid_argument(
+            op,
+            arg,
+            "shares its storage with `pool`".to_string(),
+        )),
+        None => Ok(()),
+    }
 }
 
-impl InplaceOp1 for PoolLaunch<'_> {
+/// Runs `launch` with the device address of `pool`'s first element and the
+/// pool's dtype, through [`Tensor::inplace_op1`]: it holds the pool's write
+/// lock and hands out its storage mutably, so the kernel's write is recorded
+/// as one. How the in-place kernels reach a pool the host owns.
+fn launch_in_pool(
+    op: &'static str,
+    pool: &Tensor,
+    stream: &CudaStream,
+    launch: impl Fn(CUdeviceptr, DType) -> Result<()>,
+) -> Result<()> {
+    pool.inplace_op1(&PoolWrite { op, stream, launch })?;
+    Ok(())
+}
+
+/// [`launch_in_pool`]'s in-place operation.
+struct PoolWrite<'a, F> {
+    op: &'static str,
+    stream: &'a CudaStream,
+    launch: F,
+}
+
+impl<F: Fn(CUdeviceptr, DType) -> Result<()>> InplaceOp1 for PoolWrite<'_, F> {
     fn name(&self) -> &'static str {
-        "kda_recurrence_in_pool"
+        self.op
     }
 
     fn cpu_fwd(
@@ -700,44 +726,28 @@ impl InplaceOp1 for PoolLaunch<'_> {
         _storage: &mut candle_core::CpuStorage,
         _layout: &Layout,
     ) -> candle_core::Result<()> {
-        // `kda_recurrence_in_pool` dispatches CPU pools to the CPU reference.
-        candle_core::bail!("kda_recurrence_in_pool: the CUDA launch got a CPU pool")
+        // The public functions dispatch CPU pools to the CPU reference.
+        candle_core::bail!("{}: the CUDA launch got a CPU pool", self.op)
     }
 
     fn cuda_fwd(&self, storage: &mut CudaStorage, layout: &Layout) -> candle_core::Result<()> {
-        const OP: &str = "kda_recurrence_in_pool";
-        let CudaStorageSlice::F32(slice) = &mut storage.slice else {
-            candle_core::bail!("{OP}: the pool is not f32");
+        let (base, _guard, dtype) = match &mut storage.slice {
+            CudaStorageSlice::F32(slice) => {
+                let (base, guard) = slice.device_ptr_mut(self.stream);
+                (base, guard, DType::F32)
+            }
+            CudaStorageSlice::BF16(slice) => {
+                let (base, guard) = slice.device_ptr_mut(self.stream);
+                (base, guard, DType::BF16)
+            }
+            CudaStorageSlice::F16(slice) => {
+                let (base, guard) = slice.device_ptr_mut(self.stream);
+                (base, guard, DType::F16)
+            }
+            _ => candle_core::bail!("{}: the pool's dtype is not f32, bf16 or f16", self.op),
         };
-        let (base, _guard) = slice.device_ptr_mut(&self.launch.stream);
-        let pool = base + (layout.start_offset() * 4) as CUdeviceptr;
-        let [batch, seq_len, key_heads, value_heads, key_dim, value_dim] = self.sizes;
-        // SAFETY: as in `kda_gate`; the pool is `pool_rows` contiguous rows
-        // of `Hv * dk * dv` f32 values from `pool`, and the kernels touch
-        // only rows `slots[b] < pool_rows`.
-        let code = unsafe {
-            berrylm_kda_recurrence_in_pool(
-                self.qkv_dtype,
-                self.q as *const c_void,
-                self.k as *const c_void,
-                self.v as *const c_void,
-                self.g as *const f32,
-                self.beta as *const f32,
-                pool as *mut f32,
-                self.slots as *const u32,
-                self.pool_rows,
-                self.out as *mut f32,
-                batch,
-                seq_len,
-                key_heads,
-                value_heads,
-                key_dim,
-                value_dim,
-                self.prefill_algorithm,
-                self.launch.raw_stream(),
-            )
-        };
-        check(OP, code).map_err(Into::into)
+        let address = base + (layout.start_offset() * dtype.size_in_bytes()) as CUdeviceptr;
+        (self.launch)(address, dtype).map_err(Into::into)
     }
 }
 
@@ -769,52 +779,69 @@ pub(crate) fn kda_recurrence_in_pool(
     let launch = Launch::new(cuda_device(OP, q)?)?;
     let (qkv_dtype, [q, k, v, g, beta]) = recurrence_inputs(q, k, v, g, beta)?;
     let slots = Input::new(slots, None)?;
-    // The pool's write lock is taken while the inputs' read locks are held;
-    // an input sharing the pool's storage would deadlock there (and race
-    // with the kernel's writes), so it is rejected.
-    let pool_storage = storage_address(pool);
-    for (arg, input) in [
-        ("q", &q),
-        ("k", &k),
-        ("v", &v),
-        ("g", &g),
-        ("beta", &beta),
-        ("slots", &slots),
-    ] {
-        if storage_address(&input.tensor) == pool_storage {
-            return Err(invalid_argument(
-                OP,
-                arg,
-                "shares its storage with `pool`".to_string(),
-            ));
-        }
-    }
+    reject_inputs_in_pool(
+        OP,
+        pool,
+        &[
+            ("q", &q),
+            ("k", &k),
+            ("v", &v),
+            ("g", &g),
+            ("beta", &beta),
+            ("slots", &slots),
+        ],
+    )?;
     let out_shape = Shape::from_dims(&[batch, seq_len, value_heads, value_dim]);
     let mut out = launch.alloc(&out_shape, DType::F32)?;
+    let qkv_dtype = dtype_code(OP, qkv_dtype)?;
+    let pool_rows = c_size(OP, "pool", pool_rows)?;
+    let sizes = [
+        c_size(OP, "q", batch)?,
+        c_size(OP, "q", seq_len)?,
+        c_size(OP, "q", key_heads)?,
+        c_size(OP, "v", value_heads)?,
+        c_size(OP, "q", key_dim)?,
+        c_size(OP, "v", value_dim)?,
+    ];
     {
         input_ptrs!(OP, launch,
             q_p <- q, k_p <- k, v_p <- v, g_p <- g, beta_p <- beta, slots_p <- slots);
         let out_p = output_ptr(&mut out, &launch.stream)?;
-        pool.inplace_op1(&PoolLaunch {
-            launch: &launch,
-            qkv_dtype: dtype_code(OP, qkv_dtype)?,
-            q: q_p.0,
-            k: k_p.0,
-            v: v_p.0,
-            g: g_p.0,
-            beta: beta_p.0,
-            slots: slots_p.0,
-            out: out_p.0,
-            pool_rows: c_size(OP, "pool", pool_rows)?,
-            sizes: [
-                c_size(OP, "q", batch)?,
-                c_size(OP, "q", seq_len)?,
-                c_size(OP, "q", key_heads)?,
-                c_size(OP, "v", value_heads)?,
-                c_size(OP, "q", key_dim)?,
-                c_size(OP, "v", value_dim)?,
-            ],
-            prefill_algorithm,
+        launch_in_pool(OP, pool, &launch.stream, |pool, pool_dtype| {
+            if pool_dtype != DType::F32 {
+                return Err(invalid_argument(
+                    OP,
+                    "pool",
+                    format!("dtype {pool_dtype:?}, expected f32"),
+                ));
+            }
+            let [batch, seq_len, key_heads, value_heads, key_dim, value_dim] = sizes;
+            // SAFETY: as in `kda_gate`; the pool is `pool_rows` contiguous rows
+            // of `Hv * dk * dv` f32 values from `pool`, and the kernels touch
+            // only rows `slots[b] < pool_rows`.
+            let code = unsafe {
+                berrylm_kda_recurrence_in_pool(
+                    qkv_dtype,
+                    q_p.0 as *const c_void,
+                    k_p.0 as *const c_void,
+                    v_p.0 as *const c_void,
+                    g_p.0 as *const f32,
+                    beta_p.0 as *const f32,
+                    pool as *mut f32,
+                    slots_p.0 as *const u32,
+                    pool_rows,
+                    out_p.0 as *mut f32,
+                    batch,
+                    seq_len,
+                    key_heads,
+                    value_heads,
+                    key_dim,
+                    value_dim,
+                    prefill_algorithm,
+                    launch.raw_stream(),
+                )
+            };
+            check(OP, code)
         })?;
     }
     Ok(into_tensor(out, out_shape))

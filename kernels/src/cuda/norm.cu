@@ -18,6 +18,7 @@
 // order of the sum differs (lanes, then warps, vs. candle's sequential or
 // SIMD-lane sum). One to eight warps per row, by width.
 #include "common.cuh"
+#include "norm_rows.cuh"
 
 namespace berrylm::norm {
 
@@ -49,56 +50,29 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     }
 }
 
-// (1 + w) RMSNorm: `warps_per_row` (1, 2, 4 or 8) warps per row, so
-// kWarpsPerBlock / warps_per_row rows per block; the lanes of a row's warps
-// stride over it together (coalesced), and the row's warp sums are added in
-// warp order.
+// (1 + w) RMSNorm in norm_rows.cuh's layout, of x or of round_x(x + delta)
+// (then also written to `sum_out`).
 template <typename T>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32)
+__global__ void __launch_bounds__(berrylm::norm_rows::kRowThreads)
     offset_rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ delta,
                            const float* __restrict__ scale, T* __restrict__ sum_out,
                            T* __restrict__ out, long long rows, int width, int warps_per_row,
                            float inv_width, float eps) {
-    __shared__ float partial[kWarpsPerBlock];
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int group = warp / warps_per_row;
-    const int rows_per_block = kWarpsPerBlock / warps_per_row;
-    const long long row = static_cast<long long>(blockIdx.x) * rows_per_block + group;
-    const bool active = row < rows;
-    const int first = (warp % warps_per_row) * 32 + lane;
-    const int stride = warps_per_row * 32;
-    const long long offset = (active ? row : 0) * width;
-    // The normed value: x, or with `delta` the sum round_x(x + delta).
+    const berrylm::norm_rows::RowLanes lanes = berrylm::norm_rows::row_lanes(rows, warps_per_row);
+    const long long offset = (lanes.active ? lanes.row : 0) * width;
     auto value = [&](int i) {
         const float v = berrylm::to_f32(x[offset + i]);
         return delta == nullptr
                    ? v
                    : berrylm::round_to<T>(__fadd_rn(v, berrylm::to_f32(delta[offset + i])));
     };
-    float sum_sq = 0.0f;
-    if (active) {
-        for (int i = first; i < width; i += stride) {
-            const float v = value(i);
-            if (sum_out != nullptr) sum_out[offset + i] = berrylm::from_f32<T>(v);
-            sum_sq = __fadd_rn(sum_sq, __fmul_rn(v, v));
-        }
-    }
-    sum_sq = berrylm::warp_sum(sum_sq);
-    if (warps_per_row > 1) {  // uniform over the block
-        if (lane == 0) partial[warp] = sum_sq;
-        __syncthreads();
-        sum_sq = 0.0f;
-        for (int w = 0; w < warps_per_row; ++w) {
-            sum_sq = __fadd_rn(sum_sq, partial[group * warps_per_row + w]);
-        }
-    }
-    if (!active) return;
-    const float rms = __fsqrt_rn(__fadd_rn(__fmul_rn(sum_sq, inv_width), eps));
-    T* yr = out + row * width;
-    for (int i = first; i < width; i += stride) {
-        const float n = __fdiv_rn(value(i), rms);
-        yr[i] = berrylm::from_f32<T>(__fmul_rn(n, scale[i]));
+    const float rms =
+        berrylm::norm_rows::row_root(lanes, width, warps_per_row, inv_width, eps, value);
+    if (!lanes.active) return;
+    for (int i = lanes.first; i < width; i += lanes.stride) {
+        const float v = value(i);
+        if (sum_out != nullptr) sum_out[offset + i] = berrylm::from_f32<T>(v);
+        out[offset + i] = berrylm::from_f32<T>(__fmul_rn(__fdiv_rn(v, rms), scale[i]));
     }
 }
 
@@ -141,18 +115,14 @@ extern "C" int berrylm_offset_rms_norm(int x_dtype, const void* x, const void* d
                                        long long rows, int width, float inv_width, float eps,
                                        void* stream) {
     if (rows == 0 || width == 0) return 0;
-    // At most 8 values per thread up to width 2048; a whole block per row
-    // from width 1025 on.
-    const int warps_per_row = width <= 256 ? 1 : width <= 512 ? 2 : width <= 1024 ? 4 : 8;
-    const int rows_per_block = kWarpsPerBlock / warps_per_row;
-    const long long blocks = (rows + rows_per_block - 1) / rows_per_block;
-    if (blocks > 0x7fffffffll) return static_cast<int>(cudaErrorInvalidValue);
+    const unsigned int blocks = berrylm::norm_rows::row_blocks(rows, width);
+    if (blocks == 0) return static_cast<int>(cudaErrorInvalidValue);
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     BERRYLM_DISPATCH_DTYPE(x_dtype, T, {
-        offset_rms_norm_kernel<T><<<static_cast<unsigned int>(blocks), kWarpsPerBlock * 32, 0, s>>>(
+        offset_rms_norm_kernel<T><<<blocks, berrylm::norm_rows::kRowThreads, 0, s>>>(
             static_cast<const T*>(x), static_cast<const T*>(delta), scale,
-            static_cast<T*>(sum_out), static_cast<T*>(out), rows, width, warps_per_row, inv_width,
-            eps);
+            static_cast<T*>(sum_out), static_cast<T*>(out), rows, width,
+            berrylm::norm_rows::warps_per_row(width), inv_width, eps);
     });
     return berrylm::launch_status();
 }

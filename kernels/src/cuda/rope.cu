@@ -23,10 +23,10 @@
 // operations, so the same value) instead of exchanging it through shared
 // memory.
 #include "common.cuh"
+#include "norm_rows.cuh"
 
 namespace berrylm::rope {
 
-constexpr int kWarpsPerBlock = 8;
 
 // n[i] of a row whose root is `rms`.
 template <typename T>
@@ -36,50 +36,25 @@ __device__ __forceinline__ float normed(const T* __restrict__ xr, const float* _
     return berrylm::round_to<T>(__fmul_rn(n, scale[i]));
 }
 
-// `warps_per_row` (1, 2, 4 or 8) warps per row, so kWarpsPerBlock /
-// warps_per_row rows per block; the lanes of a row's warps stride over it
-// together (coalesced).
+// norm_rows.cuh's layout, a row at a time.
 template <typename T>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32)
+__global__ void __launch_bounds__(berrylm::norm_rows::kRowThreads)
     offset_rms_norm_rope_kernel(const T* __restrict__ x, long long x_row_stride,
                                 const float* __restrict__ scale, const T* __restrict__ cos_table,
                                 const T* __restrict__ sin_table, T* __restrict__ out, long long rows,
                                 int heads, int width, int rotary, int warps_per_row,
                                 float inv_width, float eps) {
-    __shared__ float partial[kWarpsPerBlock];
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int group = warp / warps_per_row;
-    const int rows_per_block = kWarpsPerBlock / warps_per_row;
-    const long long row = static_cast<long long>(blockIdx.x) * rows_per_block + group;
-    const bool active = row < rows;
-    const int first = (warp % warps_per_row) * 32 + lane;
-    const int stride = warps_per_row * 32;
-    const T* xr = x + (active ? row : 0) * x_row_stride;
-    float sum_sq = 0.0f;
-    if (active) {
-        for (int i = first; i < width; i += stride) {
-            const float v = berrylm::to_f32(xr[i]);
-            sum_sq = __fadd_rn(sum_sq, __fmul_rn(v, v));
-        }
-    }
-    sum_sq = berrylm::warp_sum(sum_sq);
-    if (warps_per_row > 1) {  // uniform over the block
-        if (lane == 0) partial[warp] = sum_sq;
-        __syncthreads();
-        sum_sq = 0.0f;
-        for (int w = 0; w < warps_per_row; ++w) {
-            sum_sq = __fadd_rn(sum_sq, partial[group * warps_per_row + w]);
-        }
-    }
-    if (!active) return;
-    const float rms = __fsqrt_rn(__fadd_rn(__fmul_rn(sum_sq, inv_width), eps));
+    const berrylm::norm_rows::RowLanes lanes = berrylm::norm_rows::row_lanes(rows, warps_per_row);
+    const T* xr = x + (lanes.active ? lanes.row : 0) * x_row_stride;
+    const float rms = berrylm::norm_rows::row_root(lanes, width, warps_per_row, inv_width, eps,
+                                                   [&](int i) { return berrylm::to_f32(xr[i]); });
+    if (!lanes.active) return;
     const int half = rotary / 2;
-    const long long token = row / heads;
+    const long long token = lanes.row / heads;
     const T* cr = cos_table + token * rotary;
     const T* sr = sin_table + token * rotary;
-    T* yr = out + row * width;
-    for (int i = first; i < width; i += stride) {
+    T* yr = out + lanes.row * width;
+    for (int i = lanes.first; i < width; i += lanes.stride) {
         const float n = normed(xr, scale, i, rms);
         if (i >= rotary) {
             yr[i] = berrylm::from_f32<T>(n);
@@ -111,19 +86,14 @@ extern "C" int berrylm_offset_rms_norm_rope(int dtype, const void* x, long long 
         rotary > width) {
         return static_cast<int>(cudaErrorInvalidValue);
     }
-    // As norm.cu: at most 8 values per thread up to width 2048; a whole
-    // block per row from width 1025 on.
-    const int warps_per_row = width <= 256 ? 1 : width <= 512 ? 2 : width <= 1024 ? 4 : 8;
-    const int rows_per_block = kWarpsPerBlock / warps_per_row;
-    const long long blocks = (rows + rows_per_block - 1) / rows_per_block;
-    if (blocks > 0x7fffffffll) return static_cast<int>(cudaErrorInvalidValue);
+    const unsigned int blocks = berrylm::norm_rows::row_blocks(rows, width);
+    if (blocks == 0) return static_cast<int>(cudaErrorInvalidValue);
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     BERRYLM_DISPATCH_DTYPE(dtype, T, {
-        offset_rms_norm_rope_kernel<T>
-            <<<static_cast<unsigned int>(blocks), kWarpsPerBlock * 32, 0, s>>>(
-                static_cast<const T*>(x), x_row_stride, scale, static_cast<const T*>(cos_table),
-                static_cast<const T*>(sin_table), static_cast<T*>(out), rows, heads, width, rotary,
-                warps_per_row, inv_width, eps);
+        offset_rms_norm_rope_kernel<T><<<blocks, berrylm::norm_rows::kRowThreads, 0, s>>>(
+            static_cast<const T*>(x), x_row_stride, scale, static_cast<const T*>(cos_table),
+            static_cast<const T*>(sin_table), static_cast<T*>(out), rows, heads, width, rotary,
+            berrylm::norm_rows::warps_per_row(width), inv_width, eps);
     });
     return berrylm::launch_status();
 }
