@@ -4,13 +4,13 @@
 
 use std::ffi::{c_int, c_void};
 
-use candle_core::{DType, Shape, Tensor};
+use candle_core::{DType, Tensor};
 
 use super::{
-    c_size, check, cuda_device, dtype_code, input_ptr, into_tensor, launch_in_pool, output_ptr,
-    reject_inputs_in_pool, Input, Launch,
+    c_size, check, cuda_device, dtype_code, input_ptr, launch_in_pool, reject_inputs_in_pool,
+    ConvOutputs, Input, Launch,
 };
-use crate::{invalid_argument, Result};
+use crate::Result;
 
 const OP: &str = "causal_conv1d";
 
@@ -51,13 +51,6 @@ pub(crate) fn causal_conv1d_in_pool(
     let (batch, seq_len, channels) = x.dims3()?;
     let kernel_size = weight.dim(1)?;
     let pool_rows = pool.dim(0)?;
-    if batch > 65535 {
-        return Err(invalid_argument(
-            OP,
-            "x",
-            format!("batch size {batch} exceeds the CUDA kernel's 65535"),
-        ));
-    }
     let launch = Launch::new(cuda_device(OP, x)?)?;
     let x = Input::new(x, None)?;
     let weight = Input::new(weight, Some(DType::F32))?;
@@ -67,18 +60,7 @@ pub(crate) fn causal_conv1d_in_pool(
         pool,
         &[("x", &x), ("weight", &weight), ("slots", &slots)],
     )?;
-    let out_shapes = widths
-        .iter()
-        .map(|&width| Shape::from_dims(&[batch, seq_len, width]))
-        .collect::<Vec<_>>();
-    let mut outs = out_shapes
-        .iter()
-        .map(|shape| launch.alloc(shape, x.dtype()))
-        .collect::<Result<Vec<_>>>()?;
-    let c_widths = widths
-        .iter()
-        .map(|&width| c_size(OP, "widths", width))
-        .collect::<Result<Vec<_>>>()?;
+    let mut outs = ConvOutputs::new(OP, &launch, batch, seq_len, widths, x.dtype())?;
     let x_dtype = dtype_code(OP, x.dtype())?;
     let pool_rows = c_size(OP, "pool", pool_rows)?;
     let sizes = [
@@ -89,20 +71,13 @@ pub(crate) fn causal_conv1d_in_pool(
     ];
     {
         input_ptrs!(OP, launch, x_p <- x, weight_p <- weight, slots_p <- slots);
-        let out_ps = outs
-            .iter_mut()
-            .map(|out| output_ptr(out, &launch.stream))
-            .collect::<Result<Vec<_>>>()?;
-        let out_addresses = out_ps
-            .iter()
-            .map(|(address, _)| *address as *mut c_void)
-            .collect::<Vec<_>>();
+        let (out_addresses, _out_guards, out_widths) = outs.launch_args(&launch.stream)?;
         launch_in_pool(OP, pool, &launch.stream, |pool, pool_dtype| {
             let [batch, seq_len, channels, kernel_size] = sizes;
             // SAFETY: as in `kda_gate`; the pool is `pool_rows` contiguous
             // rows of `C * K` elements of its dtype from `pool`, and the
             // kernels touch only rows `slots[b] < pool_rows`; `out_addresses`
-            // and `c_widths` live across the call.
+            // and `out_widths` live across the call.
             let code = unsafe {
                 berrylm_causal_conv1d_in_pool(
                     x_dtype,
@@ -113,8 +88,8 @@ pub(crate) fn causal_conv1d_in_pool(
                     slots_p.0 as *const u32,
                     pool_rows,
                     out_addresses.as_ptr(),
-                    c_widths.as_ptr(),
-                    c_widths.len() as c_int,
+                    out_widths.as_ptr(),
+                    out_widths.len() as c_int,
                     batch,
                     seq_len,
                     channels,
@@ -125,9 +100,5 @@ pub(crate) fn causal_conv1d_in_pool(
             check(OP, code)
         })?;
     }
-    Ok(outs
-        .into_iter()
-        .zip(out_shapes)
-        .map(|(out, shape)| into_tensor(out, shape))
-        .collect())
+    Ok(outs.into_tensors())
 }

@@ -428,6 +428,78 @@ pub(crate) fn kda_gate(
     Ok(into_tensor(out, shape))
 }
 
+/// The outputs of a split causal convolution (`conv.cu`'s output groups):
+/// one uninitialised `[B, T, width]` buffer per group of channels, and the
+/// widths as the launchers take them.
+struct ConvOutputs {
+    shapes: Vec<Shape>,
+    buffers: Vec<CudaStorage>,
+    widths: Vec<c_int>,
+}
+
+impl ConvOutputs {
+    /// Checks the batch against the kernels' grid (`B` is its z dimension)
+    /// and allocates the buffers.
+    fn new(
+        op: &'static str,
+        launch: &Launch,
+        batch: usize,
+        seq_len: usize,
+        widths: &[usize],
+        dtype: DType,
+    ) -> Result<Self> {
+        if batch > 65535 {
+            return Err(invalid_argument(
+                op,
+                "x",
+                format!("batch size {batch} exceeds the CUDA kernel's 65535"),
+            ));
+        }
+        let shapes = widths
+            .iter()
+            .map(|&width| Shape::from_dims(&[batch, seq_len, width]))
+            .collect::<Vec<_>>();
+        let buffers = shapes
+            .iter()
+            .map(|shape| launch.alloc(shape, dtype))
+            .collect::<Result<Vec<_>>>()?;
+        let widths = widths
+            .iter()
+            .map(|&width| c_size(op, "widths", width))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            shapes,
+            buffers,
+            widths,
+        })
+    }
+
+    /// What a launch takes: the buffers' device addresses, the guards that
+    /// record the writes on `stream` when dropped (after the launch), and
+    /// the widths.
+    fn launch_args<'a>(
+        &'a mut self,
+        stream: &'a CudaStream,
+    ) -> Result<(Vec<*mut c_void>, Vec<SyncOnDrop<'a>>, &'a [c_int])> {
+        let mut addresses = Vec::with_capacity(self.buffers.len());
+        let mut guards = Vec::with_capacity(self.buffers.len());
+        for buffer in &mut self.buffers {
+            let (address, guard) = output_ptr(buffer, stream)?;
+            addresses.push(address as *mut c_void);
+            guards.push(guard);
+        }
+        Ok((addresses, guards, &self.widths))
+    }
+
+    fn into_tensors(self) -> Vec<Tensor> {
+        self.buffers
+            .into_iter()
+            .zip(self.shapes)
+            .map(|(buffer, shape)| into_tensor(buffer, shape))
+            .collect()
+    }
+}
+
 /// CUDA `causal_conv1d`; arguments already validated by the caller.
 pub(crate) fn causal_conv1d(
     x: &Tensor,
@@ -443,38 +515,13 @@ pub(crate) fn causal_conv1d(
     let x = Input::new(x, None)?;
     let weight = Input::new(weight, Some(DType::F32))?;
     let state = Input::new(state, None)?;
-    if batch > 65535 {
-        return Err(invalid_argument(
-            OP,
-            "x",
-            format!("batch size {batch} exceeds the CUDA kernel's 65535"),
-        ));
-    }
+    let mut outs = ConvOutputs::new(OP, &launch, batch, seq_len, widths, x.dtype())?;
     let channels = widths.iter().sum();
-    let out_shapes = widths
-        .iter()
-        .map(|&width| Shape::from_dims(&[batch, seq_len, width]))
-        .collect::<Vec<_>>();
     let state_shape = Shape::from_dims(&[batch, channels, kernel_size]);
-    let mut outs = out_shapes
-        .iter()
-        .map(|shape| launch.alloc(shape, x.dtype()))
-        .collect::<Result<Vec<_>>>()?;
     let mut new_state = launch.alloc(&state_shape, state.dtype())?;
-    let c_widths = widths
-        .iter()
-        .map(|&width| c_size(OP, "widths", width))
-        .collect::<Result<Vec<_>>>()?;
     {
         input_ptrs!(OP, launch, x_p <- x, weight_p <- weight, state_p <- state);
-        let out_ps = outs
-            .iter_mut()
-            .map(|out| output_ptr(out, &launch.stream))
-            .collect::<Result<Vec<_>>>()?;
-        let out_addresses = out_ps
-            .iter()
-            .map(|(address, _)| *address as *mut c_void)
-            .collect::<Vec<_>>();
+        let (out_addresses, _out_guards, out_widths) = outs.launch_args(&launch.stream)?;
         let new_state_p = output_ptr(&mut new_state, &launch.stream)?;
         // SAFETY: as in `kda_gate`.
         let code = unsafe {
@@ -485,8 +532,8 @@ pub(crate) fn causal_conv1d(
                 weight_p.0 as *const f32,
                 state_p.0 as *const c_void,
                 out_addresses.as_ptr(),
-                c_widths.as_ptr(),
-                c_size(OP, "widths", widths.len())?,
+                out_widths.as_ptr(),
+                c_size(OP, "widths", out_widths.len())?,
                 new_state_p.0 as *mut c_void,
                 c_size(OP, "x", batch)?,
                 c_size(OP, "x", seq_len)?,
@@ -497,12 +544,7 @@ pub(crate) fn causal_conv1d(
         };
         check(OP, code)?;
     }
-    let outputs = outs
-        .into_iter()
-        .zip(out_shapes)
-        .map(|(out, shape)| into_tensor(out, shape))
-        .collect();
-    Ok((outputs, into_tensor(new_state, state_shape)))
+    Ok((outs.into_tensors(), into_tensor(new_state, state_shape)))
 }
 
 /// CUDA `kda_beta`; the dtype already validated by the caller.
