@@ -247,6 +247,12 @@ fn test(repo: &Repo) -> Result<()> {
             .current_dir(&repo.root)
             .args(["tools/test_reference_dump.py", "-v"]),
     )?;
+    run_step(
+        "testing the load tool (tools/test_load_test.py, standard library only)",
+        Command::new("python3")
+            .current_dir(&repo.root)
+            .args(["tools/test_load_test.py", "-v"]),
+    )?;
     build_workspace(repo, &options)?;
     run_step(
         "testing the workspace",
