@@ -65,7 +65,7 @@ pub use conv::{
 pub use gate::{kda_beta, kda_gate};
 pub use gate_mul::sigmoid_gate_mul;
 pub use mlp::{add_moe_output, swiglu};
-pub use moe::{moe_experts, MOE_EXPERTS_MAX_ROUTED_ROWS};
+pub use moe::moe_experts;
 pub use norm::{add_offset_rms_norm, gated_rms_norm, offset_rms_norm};
 pub use recurrence::{
     kda_recurrence, kda_recurrence_in_pool, kda_recurrence_in_pool_with, kda_recurrence_with,

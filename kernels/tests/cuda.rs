@@ -1903,6 +1903,20 @@ fn moe_experts_matches_cpu_at_odd_sizes() -> Result<()> {
     Ok(())
 }
 
+/// Prompt-sized calls: more routed rows than the decode kernels take (512),
+/// so the rows are gathered by expert and both projections run as grouped
+/// GEMMs before the same combine; at model widths and at odd ones.
+#[test]
+fn moe_experts_grouped_gemms_match_cpu() -> Result<()> {
+    let mut seed = 2650;
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        seed += 1;
+        moe_experts_case(seed, 80, [16, TOP_K, HIDDEN, MOE_INTERMEDIATE], dtype)?;
+    }
+    moe_experts_case(2660, 200, [7, 3, 40, 13], DType::BF16)?;
+    Ok(())
+}
+
 // ------------------------------------------------ causal_conv1d_split_in_pool
 
 /// The KDA layer's conv call on the host's f32 pool: `causal_conv1d_split_in_pool`
