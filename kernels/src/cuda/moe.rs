@@ -2,11 +2,9 @@
 
 use std::ffi::{c_int, c_void};
 
-use candle_core::{DType, Shape, Tensor};
+use candle_core::{DType, Tensor};
 
-use super::{
-    c_size, check, cuda_device, dtype_code, input_ptr, into_tensor, output_ptr, Input, Launch,
-};
+use super::{c_size, dtype_code, Launch};
 use crate::{invalid_argument, Result};
 
 /// `kMaxRouted` in moe.cu: a block keeps the list of the rows sent to its
@@ -63,47 +61,38 @@ pub(crate) fn moe_experts(
             ),
         ));
     }
-    let launch = Launch::new(cuda_device(OP, x)?)?;
-    let x = Input::new(x, None)?;
-    let weights = Input::new(weights, Some(DType::F32))?;
-    let ids = Input::new(ids, None)?;
-    let gate_up = Input::new(gate_up, None)?;
-    let down = Input::new(down, None)?;
-    let dtype = x.dtype();
-    let mut h = launch.alloc(&Shape::from_dims(&[routed, dims.inter]), dtype)?;
-    let mut expert_out = launch.alloc(&Shape::from_dims(&[routed, dims.hidden]), dtype)?;
-    let shape = Shape::from_dims(&[dims.tokens, dims.hidden]);
-    let mut y = launch.alloc(&shape, dtype)?;
-    {
-        input_ptrs!(OP, launch, x_p <- x, weights_p <- weights, ids_p <- ids,
-                           gate_up_p <- gate_up, down_p <- down);
-        let h_p = output_ptr(&mut h, &launch.stream)?;
-        let expert_out_p = output_ptr(&mut expert_out, &launch.stream)?;
-        let y_p = output_ptr(&mut y, &launch.stream)?;
-        // SAFETY: every pointer addresses a live contiguous device buffer of
-        // the sizes the kernel derives from the dimensions passed; the launch
-        // is queued on candle's stream of the device, after the work that
-        // wrote the inputs.
-        let code = unsafe {
+    let mut launch = Launch::new(OP, x)?;
+    let x = launch.input("x", x)?;
+    let weights = launch.input_as("weights", weights, DType::F32)?;
+    let ids = launch.input("ids", ids)?;
+    let gate_up = launch.input("gate_up", gate_up)?;
+    let down = launch.input("down", down)?;
+    let dtype = launch.dtype(x);
+    // Scratch: each routed row's `h` and expert output.
+    let h = launch.output(&[routed, dims.inter], dtype)?;
+    let expert_out = launch.output(&[routed, dims.hidden], dtype)?;
+    let y = launch.output(&[dims.tokens, dims.hidden], dtype)?;
+    let outputs = launch.run(|p| {
+        // SAFETY: as in `kda_gate`.
+        Ok(unsafe {
             berrylm_moe_experts(
                 dtype_code(OP, dtype)?,
-                x_p.0 as *const c_void,
-                weights_p.0 as *const f32,
-                ids_p.0 as *const u32,
-                gate_up_p.0 as *const c_void,
-                down_p.0 as *const c_void,
-                h_p.0 as *mut c_void,
-                expert_out_p.0 as *mut c_void,
-                y_p.0 as *mut c_void,
+                p.input(x),
+                p.input(weights),
+                p.input(ids),
+                p.input(gate_up),
+                p.input(down),
+                p.output(h),
+                p.output(expert_out),
+                p.output(y),
                 c_size(OP, "x", dims.tokens)?,
                 c_size(OP, "ids", dims.top_k)?,
                 c_size(OP, "gate_up", dims.experts)?,
                 c_size(OP, "x", dims.hidden)?,
                 c_size(OP, "down", dims.inter)?,
-                launch.raw_stream(),
+                p.stream(),
             )
-        };
-        check(OP, code)?;
-    }
-    Ok(into_tensor(y, shape))
+        })
+    })?;
+    Ok(outputs.tensor(y))
 }
