@@ -16,7 +16,7 @@ mod common;
 use berrylm_kernels::{
     add_moe_output, add_offset_rms_norm, attn_res_mix, causal_conv1d, causal_conv1d_split,
     causal_conv1d_split_in_pool, gated_rms_norm, kda_beta, kda_gate, kda_recurrence,
-    kda_recurrence_in_pool, kda_recurrence_with, moe_experts, moe_route, offset_rms_norm,
+    kda_recurrence_in_pool_with, kda_recurrence_with, moe_experts, moe_route, offset_rms_norm,
     offset_rms_norm_rope, sigmoid_gate_mul, swiglu, KdaPrefillAlgorithm, KernelError, Result,
     StatePool,
 };
@@ -812,7 +812,8 @@ fn pool_rows(pool: &Tensor, slots: &[u32]) -> Result<Tensor> {
     Ok(pool.index_select(&ids, 0)?)
 }
 
-/// One `kda_recurrence_in_pool` call on a pool of [`POOL_ROWS`] random
+/// One `kda_recurrence_in_pool_with` call (with the algorithm
+/// `kda_recurrence` picks) on a pool of [`POOL_ROWS`] random
 /// states, on both devices. The CUDA output and the rows at `slots` are
 /// compared with the CPU reference under `rec_step`'s tolerances (`TIGHT`
 /// for the sequential kernels, agreement up to summation order;
@@ -839,8 +840,10 @@ fn pool_case(seed: u64, s: RecSizes, qkv: DType) -> Result<()> {
         &slots[..slots.len().min(4)]
     );
 
+    let algorithm = KdaPrefillAlgorithm::for_len(s.seq_len);
     let pool_cpu = pool.copy()?;
-    let o_cpu = kda_recurrence_in_pool(
+    let o_cpu = kda_recurrence_in_pool_with(
+        algorithm,
         &inputs.q,
         &inputs.k,
         &inputs.v,
@@ -858,7 +861,8 @@ fn pool_case(seed: u64, s: RecSizes, qkv: DType) -> Result<()> {
     let pool_gpu = to_gpu(&pool, &dev)?;
     let (o_gathered, s_gathered) =
         kda_recurrence(&q, &k, &v, &g, &beta, &pool_rows(&pool_gpu, &slots)?)?;
-    let o_gpu = kda_recurrence_in_pool(
+    let o_gpu = kda_recurrence_in_pool_with(
+        algorithm,
         &q,
         &k,
         &v,
