@@ -67,8 +67,49 @@ Outputs, in OUT_DIR:
   gap along the run, text), `hidden_states_layout` with `--hidden-states`, and `config` (the
   checkpoint's config.json as stored).
 
+Corpus mode
+-----------
+
+    python tools/reference_dump.py --model DIR --out OUT_DIR --corpus FILE.jsonl \
+        --num-prompts N --prompt-length P --decode-length D --seed S \
+        [--batch-size B] [--device cpu|cuda] [--greedy cached|recompute] [--trust-remote-code]
+
+writes the corpus protocol's reference, in the layout of ../shared/golden/trained-tiny-corpus (its README):
+
+* Windows: FILE has one JSON object `{"text": ...}` a line (a document each; blank lines skipped). Each
+  document is tokenized with the checkpoint's `tokenizer.json` (the `tokenizers` package; transformers'
+  AutoTokenizer when there is none), no special tokens. The candidates are every (document, start) where P
+  tokens fit inside that document, documents in file order, starts ascending; N of them are drawn with
+  `random.Random(S).sample`, window i being the i-th drawn. So every window is exactly P tokens of one
+  document. (This reproduces the vendored trained-tiny-corpus windows exactly.)
+* `golden.safetensors`, for each window i (metadata: `num_prompts`, `prompt_length`, `seed`,
+  `decode_length`, as strings):
+  * `prompt{i}.ids` i64 [P];
+  * `prompt{i}.greedy_f32` i64 [D], `prompt{i}.greedy_f32_logits` f32 [D, vocab]: free-running greedy
+    continuation of the model loaded in float32 (TF32 off), each token the argmax of the logits stored
+    for it; it does not stop at EOS. `--greedy cached` (default): one forward over the window with the
+    model's cache, then one token per step through the cache; `--greedy recompute`: a full forward
+    without cache over the window and the tokens before it at every step (the vendored file's method;
+    D times the cost). The tests check that both give the same tokens, and logits within 1e-4;
+  * `prompt{i}.greedy_bf16`, `prompt{i}.greedy_bf16_logits`: the same with the model loaded in bfloat16
+    (its own continuation; logits cast to float32);
+  * `prompt{i}.teacher_f32_logits` f32 [P + D, vocab]: one forward without cache over the window followed
+    by `greedy_f32`; `prompt{i}.teacher_bf16_logits`: the same sequence through the bfloat16 model.
+* `golden.json`: `num_prompts`, `prompt_length`, `decode_length`, `seed`, `corpus` (the corpus file's
+  name; it is copied into OUT_DIR), `windows` (each window's text), then what the vendored file lacks:
+  `window_positions` (document index and start token of each window) and a `reference` block (versions,
+  device, batch size, decoding, tokenizer, the command, and self-checks: the largest |diff| between the
+  float32 greedy step logits and the teacher-forced rows predicting the same tokens, the count of those
+  rows whose argmax is not the greedy token, the smallest top-1/top-2 gap of the greedy steps, and how
+  many windows' bf16 continuation equals the f32 one).
+* Batching (`--batch-size B`, on the CPU or a GPU): B windows per forward. Every window has exactly P
+  tokens and every continuation exactly D, so a batch never needs padding (the attention mask is all
+  ones) and batching changes only the rounding of the batched matrix products: the float32 logits stay
+  within 1e-4 of batch 1 (tested).
+
 Memory: the float32 model needs 4 bytes per parameter on the chosen device; the bfloat16 model is
-loaded after the float32 one is released.
+loaded after the float32 one is released. In corpus mode every tensor is kept in host memory until the
+file is written: about 4 * N * (P + 2 * D) * vocab * 2 bytes.
 
 Needs torch, transformers and safetensors (tools/test_reference_dump.py tests this script on a
 tiny Llama built on the spot).
@@ -80,6 +121,7 @@ import inspect
 import json
 import os
 import platform
+import shutil
 import sys
 
 
@@ -94,19 +136,58 @@ def parse_args(argv):
     inputs.add_argument("--prompt", action="append", metavar="TEXT", help="a text prompt (repeatable)")
     inputs.add_argument("--ids", action="append", metavar="IDS", help='comma-separated token ids, e.g. "1,2,3" (repeatable)')
     inputs.add_argument("--chat", metavar="FILE", help="JSON list of {messages, tools?, enable_thinking?}")
+    inputs.add_argument("--corpus", metavar="FILE", help="corpus mode: JSON lines {\"text\": ...} to sample windows from")
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
-    parser.add_argument("--gen-tokens", type=int, default=16, metavar="N", help="greedy tokens to generate (default 16, at least 1)")
-    parser.add_argument("--gen-prompt", type=int, default=0, metavar="I", help="index of the sequence the greedy run starts from (default 0)")
+    parser.add_argument("--gen-tokens", type=int, metavar="N", help="greedy tokens to generate (default 16, at least 1)")
+    parser.add_argument("--gen-prompt", type=int, metavar="I", help="index of the sequence the greedy run starts from (default 0)")
     parser.add_argument("--hidden-states", action="store_true", help="also store seq{i}.hidden_states_f32")
     parser.add_argument("--no-bf16", action="store_true", help="skip the bfloat16 run (no seq{i}.logits_bf16)")
-    parser.add_argument("--bos", choices=["auto", "always", "never"], default="auto",
-                        help="leading BOS for --prompt: auto = only when the tokenizer adds one by default")
+    parser.add_argument("--bos", choices=["auto", "always", "never"],
+                        help="leading BOS for --prompt: auto (default) = only when the tokenizer adds one by default")
     parser.add_argument("--no-completions", action="store_true", help="with --chat: do not record greedy completion texts")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own modeling/tokenizer code")
     parser.add_argument("--name", help="the `fixture` name in golden.json (default: the checkpoint folder's name)")
+    corpus = parser.add_argument_group("corpus mode (with --corpus)")
+    corpus.add_argument("--num-prompts", type=int, metavar="N", help="windows to sample (required)")
+    corpus.add_argument("--prompt-length", type=int, metavar="P", help="tokens per window (required)")
+    corpus.add_argument("--decode-length", type=int, metavar="D", help="greedy tokens after each window (required)")
+    corpus.add_argument("--seed", type=int, metavar="S", help="seed of random.Random(S).sample (required)")
+    corpus.add_argument("--batch-size", type=int, metavar="B", help="windows per forward (default 1)")
+    corpus.add_argument("--greedy", choices=["cached", "recompute"],
+                        help="free-running decoding: cached (default; the model's cache, one token per step) or "
+                        "recompute (a full forward over the whole sequence at every step, no cache)")
     args = parser.parse_args(argv)
-    if args.gen_tokens < 1:
-        parser.error("--gen-tokens must be at least 1 (the align tool needs gen.output_ids)")
+    corpus_options = ("num_prompts", "prompt_length", "decode_length", "seed", "batch_size", "greedy")
+    sequence_options = ("gen_tokens", "gen_prompt", "bos", "name")
+    if args.corpus:
+        for name in sequence_options:
+            if getattr(args, name) is not None:
+                parser.error(f"--{name.replace('_', '-')} does not apply to --corpus")
+        for name in ("hidden_states", "no_bf16", "no_completions"):
+            if getattr(args, name):
+                parser.error(f"--{name.replace('_', '-')} does not apply to --corpus (its format has every key)")
+        for name in ("num_prompts", "prompt_length", "decode_length", "seed"):
+            if getattr(args, name) is None:
+                parser.error(f"--corpus needs --{name.replace('_', '-')}")
+        if args.batch_size is None:
+            args.batch_size = 1
+        if args.greedy is None:
+            args.greedy = "cached"
+        for name in ("num_prompts", "prompt_length", "decode_length", "batch_size"):
+            if getattr(args, name) < 1:
+                parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    else:
+        for name in corpus_options:
+            if getattr(args, name) is not None:
+                parser.error(f"--{name.replace('_', '-')} needs --corpus")
+        if args.gen_tokens is None:
+            args.gen_tokens = 16
+        if args.gen_prompt is None:
+            args.gen_prompt = 0
+        if args.bos is None:
+            args.bos = "auto"
+        if args.gen_tokens < 1:
+            parser.error("--gen-tokens must be at least 1 (the align tool needs gen.output_ids)")
     return args
 
 
@@ -384,18 +465,7 @@ def device_description(torch, device):
     return platform.processor() or platform.machine()
 
 
-def main(argv=None):
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    torch, transformers = import_stack()
-    from safetensors.torch import save_file
-
-    model_dir = args.model
-    config_path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(config_path):
-        fail(f"{model_dir} has no config.json")
-    config = read_json(config_path)
-
-    device = args.device
+def setup_device(torch, device):
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
             fail("--device cuda: torch sees no CUDA device")
@@ -405,6 +475,320 @@ def main(argv=None):
     elif device != "cpu":
         fail(f"--device {device}: expected cpu or cuda[:N]")
     torch.set_float32_matmul_precision("highest")
+    return device
+
+
+def release(torch, device):
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Corpus mode (the corpus protocol of ../shared/golden/trained-tiny-corpus, see its README and the module docstring).
+# The sampling functions use the standard library only, so tests can import them without torch.
+
+
+def read_corpus(path):
+    """The documents of a JSON-lines corpus: one object `{"text": str}` a line (blank lines skipped)."""
+    documents = []
+    try:
+        handle = open(path, encoding="utf-8")
+    except OSError as error:
+        fail(f"--corpus {path}: {error}")
+    with handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                entry = json.loads(line)
+            except ValueError as error:
+                fail(f"--corpus {path}:{number}: not JSON ({error})")
+            if not isinstance(entry, dict) or not isinstance(entry.get("text"), str):
+                fail(f"--corpus {path}:{number}: expected an object with a string `text`")
+            documents.append(entry["text"])
+    if not documents:
+        fail(f"--corpus {path}: no documents")
+    return documents
+
+
+def window_candidates(documents, prompt_length):
+    """Every (document, start) where `prompt_length` tokens fit inside that document, in document then start order."""
+    return [
+        (index, start)
+        for index, ids in enumerate(documents)
+        for start in range(len(ids) - prompt_length + 1)
+    ]
+
+
+def sample_windows(documents, prompt_length, num_prompts, seed):
+    """The corpus protocol's windows: `num_prompts` (document, start) pairs drawn with
+    `random.Random(seed).sample` from `window_candidates`, in the order drawn (window i = prompt{i}).
+    `documents` are token id lists. No window crosses a document boundary; each has exactly
+    `prompt_length` tokens: `documents[d][start:start + prompt_length]`."""
+    import random
+
+    candidates = window_candidates(documents, prompt_length)
+    if len(candidates) < num_prompts:
+        raise ValueError(
+            f"the corpus has {len(candidates)} windows of {prompt_length} tokens inside one document, "
+            f"fewer than the {num_prompts} asked for"
+        )
+    return random.Random(seed).sample(candidates, num_prompts)
+
+
+class CorpusTokenizer:
+    """The checkpoint's tokenizer for the corpus: its `tokenizer.json` through the `tokenizers` package (the
+    protocol's rule), else transformers' AutoTokenizer (e.g. a checkpoint with a custom tokenizer class and
+    `--trust-remote-code`). No special tokens are added."""
+
+    def __init__(self, model_dir, trust_remote_code):
+        path = os.path.join(model_dir, "tokenizer.json")
+        self.backend = None
+        self.hf = None
+        if os.path.isfile(path):
+            try:
+                import tokenizers
+            except ImportError:
+                tokenizers = None
+            if tokenizers is not None:
+                self.backend = tokenizers.Tokenizer.from_file(path)
+                self.description = f"tokenizer.json through tokenizers {tokenizers.__version__}, no special tokens"
+                return
+        import transformers
+
+        self.hf = load_tokenizer(transformers, model_dir, trust_remote_code, required=True)
+        self.description = f"transformers AutoTokenizer ({type(self.hf).__name__}), add_special_tokens=False"
+
+    def encode(self, texts):
+        if self.backend is not None:
+            return [list(encoding.ids) for encoding in self.backend.encode_batch(texts, add_special_tokens=False)]
+        return [list(self.hf(text, add_special_tokens=False)["input_ids"]) for text in texts]
+
+    def decode(self, ids):
+        if self.backend is not None:
+            return self.backend.decode(list(ids), skip_special_tokens=False)
+        return self.hf.decode(list(ids), skip_special_tokens=False)
+
+
+def free_running_greedy(torch, model, windows, steps, device, method):
+    """Free-running greedy continuations of equal-length windows (one batch): (tokens i64 [B, steps], logits f32
+    [B, steps, vocab]) on the CPU, each token the argmax of the float32-cast logits that precede it; it never stops
+    at EOS. `cached`: one forward over the windows with the model's cache, then one token per step through it;
+    `recompute`: a full forward without cache over the window and the tokens before it at every step."""
+    x = torch.tensor(windows, dtype=torch.long, device=device)
+    rows = []
+    tokens = []
+    with torch.no_grad():
+        if method == "recompute":
+            sequence = x
+            for _ in range(steps):
+                out = model(input_ids=sequence, attention_mask=torch.ones_like(sequence), use_cache=False, return_dict=True)
+                last = out.logits[:, -1].to(torch.float32)
+                chosen = torch.argmax(last, dim=-1)
+                rows.append(last.cpu())
+                tokens.append(chosen.cpu())
+                sequence = torch.cat([sequence, chosen[:, None]], dim=1)
+        else:
+            argument = cache_argument(model)
+            mask = torch.ones_like(x)
+            out = model(input_ids=x, attention_mask=mask, use_cache=True, return_dict=True)
+            for step in range(steps):
+                last = out.logits[:, -1].to(torch.float32)
+                chosen = torch.argmax(last, dim=-1)
+                rows.append(last.cpu())
+                tokens.append(chosen.cpu())
+                if step + 1 == steps:
+                    break
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+                out = model(
+                    input_ids=chosen[:, None],
+                    attention_mask=mask,
+                    use_cache=True,
+                    return_dict=True,
+                    **{argument: returned_cache(out)},
+                )
+    return torch.stack(tokens, dim=1).to(torch.int64).contiguous(), torch.stack(rows, dim=1).contiguous()
+
+
+def teacher_forced(torch, model, sequences, device):
+    """One forward without cache over equal-length sequences (one batch): logits f32 [B, T, vocab] on the CPU."""
+    x = torch.tensor(sequences, dtype=torch.long, device=device)
+    with torch.no_grad():
+        out = model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False, return_dict=True)
+    return out.logits.to(torch.float32).cpu().contiguous()
+
+
+def batches(items, size):
+    for start in range(0, len(items), size):
+        yield start, items[start:start + size]
+
+
+def corpus_run(torch, model, windows, args, suffix, tensors, teacher_continuations):
+    """Writes prompt{i}.greedy_{suffix}, .greedy_{suffix}_logits and .teacher_{suffix}_logits for every window;
+    the teacher sequence is the window followed by `teacher_continuations[i]` (the float32 continuation), or by
+    this run's own continuation when None (the float32 run). Returns the continuations."""
+    continuations = []
+    for start, batch in batches(windows, args.batch_size):
+        tokens, logits = free_running_greedy(torch, model, batch, args.decode_length, args.device, args.greedy)
+        if teacher_continuations is None:
+            follow = tokens.tolist()
+        else:
+            follow = teacher_continuations[start:start + len(batch)]
+        teacher = teacher_forced(torch, model, [w + f for w, f in zip(batch, follow)], args.device)
+        for offset in range(len(batch)):
+            name = f"prompt{start + offset}"
+            tensors[f"{name}.greedy_{suffix}"] = tokens[offset].clone()
+            tensors[f"{name}.greedy_{suffix}_logits"] = logits[offset].clone()
+            tensors[f"{name}.teacher_{suffix}_logits"] = teacher[offset].clone()
+            continuations.append(tokens[offset].tolist())
+        print(f"reference_dump: {suffix}: windows {start}..{start + len(batch) - 1} done", file=sys.stderr)
+    return continuations
+
+
+def corpus_facts(torch, tensors, num_prompts, prompt_length, decode_length):
+    """Checks of the reference on itself, for golden.json: the greedy step logits against the teacher-forced rows
+    that predict the same tokens (float32), and how often the bf16 continuation equals the f32 one."""
+    deviation = 0.0
+    mismatches = 0
+    gap = None
+    bf16_equal = 0
+    for i in range(num_prompts):
+        step = tensors[f"prompt{i}.greedy_f32_logits"]
+        rows = tensors[f"prompt{i}.teacher_f32_logits"][prompt_length - 1:prompt_length - 1 + decode_length]
+        deviation = max(deviation, float((step - rows).abs().max()))
+        mismatches += int((rows.argmax(dim=-1) != tensors[f"prompt{i}.greedy_f32"]).sum())
+        this_gap = min_top1_top2_gap(torch, step)
+        if this_gap is not None:
+            gap = this_gap if gap is None else min(gap, this_gap)
+        bf16_equal += int(torch.equal(tensors[f"prompt{i}.greedy_bf16"], tensors[f"prompt{i}.greedy_f32"]))
+    return {
+        "greedy_f32_vs_teacher_f32_max_abs_logit_diff": deviation,
+        "greedy_f32_teacher_argmax_mismatches": mismatches,
+        "greedy_f32_min_top1_top2_gap": gap,
+        "greedy_bf16_equal_to_f32_prompts": bf16_equal,
+    }
+
+
+def corpus_main(args, argv):
+    torch, transformers = import_stack()
+    from safetensors.torch import save_file
+
+    model_dir = args.model
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        fail(f"{model_dir} has no config.json")
+    device = setup_device(torch, args.device)
+
+    texts = read_corpus(args.corpus)
+    tokenizer = CorpusTokenizer(model_dir, args.trust_remote_code)
+    documents = tokenizer.encode(texts)
+    try:
+        positions = sample_windows(documents, args.prompt_length, args.num_prompts, args.seed)
+    except ValueError as error:
+        fail(str(error))
+    windows = [documents[d][s:s + args.prompt_length] for d, s in positions]
+    available = len(window_candidates(documents, args.prompt_length))
+    print(
+        f"reference_dump: {len(texts)} documents, {sum(map(len, documents))} tokens, {available} windows of "
+        f"{args.prompt_length} tokens; sampled {len(windows)} with seed {args.seed}",
+        file=sys.stderr,
+    )
+
+    tensors = {}
+    for i, window in enumerate(windows):
+        tensors[f"prompt{i}.ids"] = torch.tensor(window, dtype=torch.int64)
+
+    print(f"reference_dump: float32 run of {model_dir} on {device} (batch {args.batch_size})", file=sys.stderr)
+    model = load_model(torch, transformers, model_dir, torch.float32, device, args.trust_remote_code)
+    embeddings = model.get_input_embeddings().num_embeddings
+    largest = max(max(window) for window in windows)
+    if largest >= embeddings:
+        fail(f"token id {largest} of the corpus is outside the embedding table ({embeddings} rows)")
+    f32_continuations = corpus_run(torch, model, windows, args, "f32", tensors, None)
+    attn_f32 = attention_implementation(model)
+    class_name = type(model).__name__
+    del model
+    release(torch, device)
+
+    print("reference_dump: bfloat16 run", file=sys.stderr)
+    model = load_model(torch, transformers, model_dir, torch.bfloat16, device, args.trust_remote_code)
+    attn_bf16 = attention_implementation(model)
+    corpus_run(torch, model, windows, args, "bf16", tensors, f32_continuations)
+    del model
+    release(torch, device)
+
+    os.makedirs(args.out, exist_ok=True)
+    corpus_name = os.path.basename(args.corpus)
+    corpus_copy = os.path.join(args.out, corpus_name)
+    if not (os.path.exists(corpus_copy) and os.path.samefile(corpus_copy, args.corpus)):
+        shutil.copyfile(args.corpus, corpus_copy)
+
+    # The vendored trained-tiny-corpus golden.json's keys, in its order, then what this dumper adds.
+    golden = {
+        "num_prompts": args.num_prompts,
+        "prompt_length": args.prompt_length,
+        "decode_length": args.decode_length,
+        "seed": args.seed,
+        "corpus": corpus_name,
+        "windows": [tokenizer.decode(window) for window in windows],
+        "window_positions": [{"document": d, "start": s} for d, s in positions],
+        "reference": {
+            "implementation": f"huggingface/transformers {class_name}",
+            "transformers_version": transformers.__version__,
+            "torch_version": torch.__version__,
+            "device": device,
+            "device_name": device_description(torch, device),
+            "batch_size": args.batch_size,
+            "greedy": (
+                "cached: one forward over the window with the model's cache, then one token per step through it"
+                if args.greedy == "cached"
+                else "recompute: a full forward without cache over the window and the tokens before it at every step"
+            ) + "; argmax of float32-cast logits; does not stop at EOS",
+            "attn_implementation": attn_f32,
+            "attn_implementation_bf16": attn_bf16,
+            "tf32": False,
+            "trust_remote_code": args.trust_remote_code,
+            "checkpoint": os.path.abspath(model_dir),
+            "tokenizer": tokenizer.description,
+            "corpus_documents": len(texts),
+            "corpus_windows_available": available,
+            "command": ["tools/reference_dump.py"] + list(argv),
+        },
+    }
+    golden["reference"].update(
+        corpus_facts(torch, tensors, args.num_prompts, args.prompt_length, args.decode_length)
+    )
+    metadata = {
+        "num_prompts": str(args.num_prompts),
+        "prompt_length": str(args.prompt_length),
+        "seed": str(args.seed),
+        "decode_length": str(args.decode_length),
+    }
+    save_file(tensors, os.path.join(args.out, "golden.safetensors"), metadata=metadata)
+    with open(os.path.join(args.out, "golden.json"), "w", encoding="utf-8") as handle:
+        json.dump(golden, handle, indent=1, ensure_ascii=False)
+    print(
+        f"reference_dump: wrote {os.path.join(args.out, 'golden.safetensors')} ({args.num_prompts} windows of "
+        f"{args.prompt_length} tokens, {args.decode_length} greedy tokens each) and golden.json"
+    )
+    return 0
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    if args.corpus:
+        return corpus_main(args, argv)
+    torch, transformers = import_stack()
+    from safetensors.torch import save_file
+
+    model_dir = args.model
+    config_path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(config_path):
+        fail(f"{model_dir} has no config.json")
+    config = read_json(config_path)
+
+    device = setup_device(torch, args.device)
 
     tokenizer = load_tokenizer(transformers, model_dir, args.trust_remote_code, required=not args.ids)
     sequences = build_sequences(args, tokenizer)
@@ -492,7 +876,7 @@ def main(argv=None):
         "checkpoint": os.path.abspath(model_dir),
         "checkpoint_dtype": config.get("dtype", config.get("torch_dtype")),
         "bos_policy": args.bos if args.prompt else None,
-        "command": ["tools/reference_dump.py"] + (sys.argv[1:] if argv is None else list(argv)),
+        "command": ["tools/reference_dump.py"] + argv,
     }
     golden = {
         "fixture": args.name or fixture_name(model_dir),

@@ -274,12 +274,73 @@ fn python_with_openai_client() -> Result<PathBuf> {
     Ok(python)
 }
 
-/// The Python that runs the reference dumper's tests: `BERRYLM_REFERENCE_PYTHON`
-/// (one with torch and transformers; installing them is not part of the test
-/// command, they are gigabytes), else `python3`, whose run skips them visibly.
-fn reference_python() -> PathBuf {
-    std::env::var_os("BERRYLM_REFERENCE_PYTHON")
-        .map_or_else(|| PathBuf::from("python3"), PathBuf::from)
+/// The PyPI packages the reference dumper's tests run with (tools/test_reference_dump.py),
+/// pinned to the versions they last passed with.
+const REFERENCE_PACKAGES: [&str; 4] = [
+    "torch==2.15.0",
+    "transformers==5.24.0",
+    "safetensors==0.8.0",
+    "tokenizers==0.23.3",
+];
+
+/// Exits 0 when every `name==version` argument is installed at that version
+/// (package metadata only: no import of torch, so a ready venv costs milliseconds).
+const PINS_INSTALLED: &str = "\
+import sys
+from importlib import metadata
+def installed(pin):
+    name, version = pin.split('==')
+    try:
+        return metadata.version(name) == version
+    except metadata.PackageNotFoundError:
+        return False
+sys.exit(0 if all(installed(pin) for pin in sys.argv[1:]) else 1)
+";
+
+/// The Python that runs the reference dumper's tests. `BERRYLM_REFERENCE_PYTHON`
+/// when set, used as it is (`BERRYLM_REFERENCE_PYTHON=python3` without torch makes
+/// the tests skip, saying why). Else a venv of this command's own, cached outside
+/// the clone (`~/.cache/berrylm/venv-reference-tests`, apart from the
+/// `venv-reference` that docs/alignment.md has users make, which may hold a
+/// transformers main checkout): created when missing, and `pip install`ed with
+/// `REFERENCE_PACKAGES` when one of them is missing or at another version (the
+/// first time downloads PyPI's torch, a CUDA build of some gigabytes that also
+/// runs on the CPU). When the venv is ready this is one metadata check.
+fn reference_python() -> Result<PathBuf> {
+    if let Some(python) = std::env::var_os("BERRYLM_REFERENCE_PYTHON") {
+        return Ok(PathBuf::from(python));
+    }
+    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
+    let venv = home.join(".cache/berrylm/venv-reference-tests");
+    let python = venv.join("bin/python");
+    let ready = Command::new(&python)
+        .args(["-c", PINS_INSTALLED])
+        .args(REFERENCE_PACKAGES)
+        .output()
+        .is_ok_and(|output| output.status.success());
+    if !ready {
+        if !python.exists() {
+            run_step(
+                "creating the Python venv for the reference dumper's tests",
+                Command::new("python3").arg("-m").arg("venv").arg(&venv),
+            )
+            .context(
+                "python3 with the venv module is needed for the reference dumper's tests \
+                 (BERRYLM_REFERENCE_PYTHON=python3 runs them without it: they skip)",
+            )?;
+        }
+        run_step(
+            &format!(
+                "installing {} from PyPI into {} (the first time downloads gigabytes)",
+                REFERENCE_PACKAGES.join(" "),
+                venv.display()
+            ),
+            Command::new(venv.join("bin/pip"))
+                .args(["install", "--quiet"])
+                .args(REFERENCE_PACKAGES),
+        )?;
+    }
+    Ok(python)
 }
 
 fn test(repo: &Repo) -> Result<()> {
@@ -295,11 +356,17 @@ fn test(repo: &Repo) -> Result<()> {
         ]),
     )?;
     run_step(
-        "testing the reference dumper (tools/test_reference_dump.py; its tests skip, saying \
-         why, unless BERRYLM_REFERENCE_PYTHON names a Python with torch and transformers)",
-        Command::new(reference_python())
+        "testing the reference dumper (tools/test_reference_dump.py, with torch and \
+         transformers from the venv-reference-tests venv or BERRYLM_REFERENCE_PYTHON)",
+        Command::new(reference_python()?)
             .current_dir(&repo.root)
             .args(["tools/test_reference_dump.py", "-v"]),
+    )?;
+    run_step(
+        "testing the load tool (tools/test_load_test.py, standard library only)",
+        Command::new("python3")
+            .current_dir(&repo.root)
+            .args(["tools/test_load_test.py", "-v"]),
     )?;
     build_workspace(repo, &options)?;
     run_step(
