@@ -14,7 +14,12 @@
 # serving invariance tests with paged attention on / off), template (chat
 # template and grammar-pinned tool calls), e2e (batch-1 decode end to end through
 # `mistralrs serve` on an 8-layer BerryLM-OS-shaped random bf16 checkpoint, next to
-# the bench's model forward: tools/e2e_decode.py; about 6 minutes at most), fla
+# the bench's model forward: tools/e2e_decode.py; about 6 minutes at most),
+# scale-bench (the 40-layer BerryLM-OS-shaped model's forward: prefill
+# $SCALE_PREFILL, default 4096,16384, and decode at batch 1, 64 and 256; writes
+# the 40-layer checkpoint first, once per machine), scale-serve (that checkpoint
+# through `mistralrs serve`: tools/load_test.py's sweep at concurrency
+# $SCALE_CONCURRENCY, default 1,64,256, then batch-1 decode end to end), fla
 # (fla's chunk_kda and fused_recurrent_kda at BerryLM-OS shapes, issue #6's
 # comparison: tools/fla_bench.py, $OUT/fla.json; needs python3 with torch and
 # triton, and the wheels of fla-core and of the pure-Python packages it imports,
@@ -47,24 +52,16 @@ status=0
 FLA_WHEELS="${FLA_WHEELS:-.gpu3}" FLA_DIR="${FLA_DIR:-/tmp/berrylm-fla}"
 E2E_CHECKPOINT="${E2E_CHECKPOINT:-/tmp/berrylm-os-8l}" E2E_PORT="${E2E_PORT:-18500}"
 
-# The e2e step: writes the checkpoint (once per machine), measures the model
-# forward at batch 1 with the bench, serves the checkpoint (paged attention, the
-# CUDA default, with an 8 GiB KV pool) and measures decode through HTTP.
-e2e() {
-    local url="http://127.0.0.1:$E2E_PORT" forward="" server code
-    if [ ! -f "$E2E_CHECKPOINT/model.safetensors" ]; then
-        timeout 240 "$BIN/berrylm-bench" --device cuda --layers 8 \
-            --save-checkpoint "$E2E_CHECKPOINT" || { rm -rf "$E2E_CHECKPOINT"; return 1; }
-    fi
-    if timeout 150 "$BIN/berrylm-bench" --device cuda --dtype bf16 --layers 8 --prefill none \
-        --decode 1 --context 32 --no-kernels --json /tmp/berrylm-e2e-forward.json; then
-        forward="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["decode"][0]["ms_per_step"])' \
-            /tmp/berrylm-e2e-forward.json)"
-    fi
-    timeout 420 "$BIN/mistralrs" serve -m "$E2E_CHECKPOINT" --port "$E2E_PORT" --dtype bf16 \
-        --pa-memory-mb 8192 > "${OUT:-/tmp}/e2e-server.log" 2>&1 &
+# Starts `mistralrs serve` on checkpoint $1 at port $2 with the further
+# arguments, logging to $OUT/$(basename $1)-server.log, and waits until it
+# answers /v1/models (5 minutes at most). Sets `server` to its pid.
+start_server() {
+    local checkpoint="$1" port="$2"
+    shift 2
+    server_log="${OUT:-/tmp}/$(basename "$checkpoint")-server.log"
+    "$BIN/mistralrs" serve -m "$checkpoint" --port "$port" "$@" > "$server_log" 2>&1 &
     server=$!
-    python3 - "$url/v1/models" "$server" <<'PY'
+    python3 - "http://127.0.0.1:$port/v1/models" "$server" <<'PY'
 import os, sys, time, urllib.request
 deadline = time.time() + 300
 while time.time() < deadline:
@@ -79,6 +76,66 @@ while time.time() < deadline:
         time.sleep(2)
 sys.exit("the server was not ready within 5 minutes")
 PY
+}
+
+stop_server() {
+    kill "$server" 2>/dev/null
+    wait "$server" 2>/dev/null
+    echo "--- server log (tail)"
+    tail -n 30 "$server_log"
+}
+
+# The 40-layer BerryLM-OS-shaped checkpoint (36.6 GB; about 90 s to write),
+# once per machine.
+SCALE_CHECKPOINT="${SCALE_CHECKPOINT:-/tmp/berrylm-os-40l}" SCALE_PORT="${SCALE_PORT:-18600}"
+scale_checkpoint() {
+    [ -f "$SCALE_CHECKPOINT/config.json" ] && return 0
+    timeout 400 "$BIN/berrylm-bench" --device cuda --layers 40 \
+        --save-checkpoint "$SCALE_CHECKPOINT" || { rm -rf "$SCALE_CHECKPOINT"; return 1; }
+}
+
+# The scale-serve step: the 40-layer checkpoint through `mistralrs serve`
+# (paged attention, 256 sequences at most): the load tool's sweep over
+# concurrency $SCALE_CONCURRENCY of 128-token prompts and 128 output tokens,
+# then batch-1 decode end to end next to the forward of the scale-bench step
+# ($OUT/bench-40l.json, when present).
+scale_serve() {
+    local code forward=""
+    scale_checkpoint || return 1
+    if [ -n "${OUT:-}" ] && [ -f "$OUT/bench-40l.json" ]; then
+        forward="$(python3 -c 'import json,sys; d=json.load(open(sys.argv[1]))["decode"]; print(next(r["ms_per_step"] for r in d if r["batch"] == 1))' \
+            "$OUT/bench-40l.json")"
+    fi
+    start_server "$SCALE_CHECKPOINT" "$SCALE_PORT" --dtype bf16 --max-seqs 256 --pa-memory-mb 16384
+    code=$?
+    if [ "$code" -eq 0 ]; then
+        timeout 420 python3 tools/load_test.py sweep --url "http://127.0.0.1:$SCALE_PORT" \
+            --concurrency "${SCALE_CONCURRENCY:-1,64,256}" --prompt-tokens 128 --output-tokens 128 \
+            ${OUT:+--json "$OUT/sweep-40l.json"}
+        code=$?
+        timeout 120 python3 tools/e2e_decode.py --url "http://127.0.0.1:$SCALE_PORT" \
+            --prompt-tokens 32 --max-tokens 65 --repeats 3 --warmup 1 \
+            ${forward:+--compare-forward-ms "$forward"} ${OUT:+--json "$OUT/e2e-40l.json"} || code=1
+    fi
+    stop_server
+    return "$code"
+}
+
+# The e2e step: writes the checkpoint (once per machine), measures the model
+# forward at batch 1 with the bench, serves the checkpoint (paged attention, the
+# CUDA default, with an 8 GiB KV pool) and measures decode through HTTP.
+e2e() {
+    local url="http://127.0.0.1:$E2E_PORT" forward="" server code
+    if [ ! -f "$E2E_CHECKPOINT/model.safetensors" ]; then
+        timeout 240 "$BIN/berrylm-bench" --device cuda --layers 8 \
+            --save-checkpoint "$E2E_CHECKPOINT" || { rm -rf "$E2E_CHECKPOINT"; return 1; }
+    fi
+    if timeout 150 "$BIN/berrylm-bench" --device cuda --dtype bf16 --layers 8 --prefill none \
+        --decode 1 --context 32 --no-kernels --json /tmp/berrylm-e2e-forward.json; then
+        forward="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["decode"][0]["ms_per_step"])' \
+            /tmp/berrylm-e2e-forward.json)"
+    fi
+    start_server "$E2E_CHECKPOINT" "$E2E_PORT" --dtype bf16 --pa-memory-mb 8192
     code=$?
     if [ "$code" -eq 0 ]; then
         timeout 240 python3 tools/e2e_decode.py --url "$url" --prompt-tokens 32 --max-tokens 129 \
@@ -86,10 +143,7 @@ PY
             ${OUT:+--json "$OUT/e2e.json"}
         code=$?
     fi
-    kill "$server" 2>/dev/null
-    wait "$server" 2>/dev/null
-    echo "--- server log (tail)"
-    tail -n 30 "${OUT:-/tmp}/e2e-server.log"
+    stop_server
     return "$code"
 }
 
@@ -144,6 +198,10 @@ step() {
     template) BERRYLM_SERVER_ARGS="--paged-attn on --pa-memory-mb 1024" \
         "$BIN/test-server_chat_template" --test-threads 1 ;;
     e2e) e2e ;;
+    scale-bench) scale_checkpoint && "$BIN/berrylm-bench" --device cuda --dtype bf16 --layers 40 \
+        --prefill "${SCALE_PREFILL:-4096,16384}" --decode 1,64,256 --no-kernels \
+        ${OUT:+--json "$OUT/bench-40l.json"} ;;
+    scale-serve) scale_serve ;;
     fla) fla_bench ;;
     *) echo "unknown step $1" >&2; return 2 ;;
     esac

@@ -1,28 +1,39 @@
-//! Command-line arguments, parsed by hand.
+//! Command-line arguments (clap).
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use candle_core::{DType, Device};
+use clap::{Parser, ValueEnum};
 use mistralrs::ModelDType;
 
-pub const USAGE: &str = "\
-usage: berrylm-align --model DIR --golden FILE [--dtype f32|bf16|f16] [--device cpu|cuda]
-                     [--json OUT] [--dump OUT]
-
-Compares the berrylm plugin with the transformers reference's golden outputs.
-
-  --model DIR     the checkpoint folder (config.json, *.safetensors, tokenizer)
-  --golden FILE   the reference's golden.safetensors (seq{i}.input_ids, seq{i}.logits_f32,
-                  optionally seq{i}.logits_bf16, gen.prompt_ids, gen.output_ids)
-  --dtype D       weights and activations: f32 (default), bf16 or f16
-  --device D      cpu (default) or cuda (GPU 0; needs a CUDA build)
-  --json OUT      also write the report as JSON
-  --dump OUT      also write our logits of every mode and our greedy tokens as safetensors
-";
+/// Compares the berrylm plugin with the transformers reference's golden outputs.
+#[derive(Debug, Parser)]
+#[command(name = "berrylm-align", version)]
+pub struct Args {
+    /// The checkpoint folder (config.json, *.safetensors, tokenizer).
+    #[arg(long, value_name = "DIR")]
+    pub model: PathBuf,
+    /// The reference's golden.safetensors (seq{i}.input_ids, seq{i}.logits_f32,
+    /// optionally seq{i}.logits_bf16, gen.prompt_ids, gen.output_ids).
+    #[arg(long, value_name = "FILE")]
+    pub golden: PathBuf,
+    /// Weights and activations.
+    #[arg(long, value_enum, default_value_t = Precision::F32)]
+    pub dtype: Precision,
+    /// Where the model runs (cuda: GPU 0; needs a CUDA build).
+    #[arg(long, value_enum, default_value_t = Target::Cpu)]
+    pub device: Target,
+    /// Also write the report as JSON.
+    #[arg(long, value_name = "OUT")]
+    pub json: Option<PathBuf>,
+    /// Also write our logits of every mode and our greedy tokens as safetensors.
+    #[arg(long, value_name = "OUT")]
+    pub dump: Option<PathBuf>,
+}
 
 /// The compute type of the run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Precision {
     F32,
     Bf16,
@@ -30,15 +41,6 @@ pub enum Precision {
 }
 
 impl Precision {
-    fn parse(value: &str) -> Result<Precision> {
-        Ok(match value {
-            "f32" => Precision::F32,
-            "bf16" => Precision::Bf16,
-            "f16" => Precision::F16,
-            other => bail!("--dtype must be f32, bf16 or f16, not `{other}`"),
-        })
-    }
-
     pub fn name(self) -> &'static str {
         match self {
             Precision::F32 => "f32",
@@ -65,21 +67,13 @@ impl Precision {
 }
 
 /// Where the model runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Target {
     Cpu,
     Cuda,
 }
 
 impl Target {
-    fn parse(value: &str) -> Result<Target> {
-        Ok(match value {
-            "cpu" => Target::Cpu,
-            "cuda" => Target::Cuda,
-            other => bail!("--device must be cpu or cuda, not `{other}`"),
-        })
-    }
-
     pub fn name(self) -> &'static str {
         match self {
             Target::Cpu => "cpu",
@@ -98,65 +92,7 @@ impl Target {
     }
 }
 
-#[derive(Debug)]
-pub struct Args {
-    pub model: PathBuf,
-    pub golden: PathBuf,
-    pub dtype: Precision,
-    pub device: Target,
-    pub json: Option<PathBuf>,
-    pub dump: Option<PathBuf>,
-}
-
 impl Args {
-    /// Parses the arguments (without the program name); `None` when help was asked for.
-    pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Option<Args>> {
-        let mut model = None;
-        let mut golden = None;
-        let mut dtype = Precision::F32;
-        let mut device = Target::Cpu;
-        let mut json = None;
-        let mut dump = None;
-        let mut args = args.into_iter();
-        while let Some(arg) = args.next() {
-            if arg == "-h" || arg == "--help" {
-                return Ok(None);
-            }
-            // Both `--flag value` and `--flag=value`.
-            let (flag, inline) = match arg.split_once('=') {
-                Some((flag, value)) if flag.starts_with("--") => {
-                    (flag.to_string(), Some(value.to_string()))
-                }
-                _ => (arg.clone(), None),
-            };
-            let mut value = || -> Result<String> {
-                match &inline {
-                    Some(value) => Ok(value.clone()),
-                    None => args
-                        .next()
-                        .with_context(|| format!("{flag} needs a value\n{USAGE}")),
-                }
-            };
-            match flag.as_str() {
-                "--model" => model = Some(PathBuf::from(value()?)),
-                "--golden" => golden = Some(PathBuf::from(value()?)),
-                "--dtype" => dtype = Precision::parse(&value()?)?,
-                "--device" => device = Target::parse(&value()?)?,
-                "--json" => json = Some(PathBuf::from(value()?)),
-                "--dump" => dump = Some(PathBuf::from(value()?)),
-                other => bail!("unexpected argument `{other}`\n{USAGE}"),
-            }
-        }
-        Ok(Some(Args {
-            model: model.with_context(|| format!("--model is required\n{USAGE}"))?,
-            golden: golden.with_context(|| format!("--golden is required\n{USAGE}"))?,
-            dtype,
-            device,
-            json,
-            dump,
-        }))
-    }
-
     /// A short name for the model: its folder, or the folder above when that
     /// is called `model` (the golden fixtures' layout `NAME/model`).
     pub fn model_name(&self) -> String {
@@ -175,8 +111,8 @@ impl Args {
 mod tests {
     use super::*;
 
-    fn parse(args: &[&str]) -> Result<Option<Args>> {
-        Args::parse(args.iter().map(|a| a.to_string()))
+    fn parse(args: &[&str]) -> Result<Args, clap::Error> {
+        Args::try_parse_from(std::iter::once("berrylm-align").chain(args.iter().copied()))
     }
 
     #[test]
@@ -193,7 +129,6 @@ mod tests {
             "--dump",
             "d.safetensors",
         ])
-        .unwrap()
         .unwrap();
         assert_eq!(args.model, PathBuf::from("m"));
         assert_eq!(args.golden, PathBuf::from("g.safetensors"));
@@ -205,12 +140,20 @@ mod tests {
 
     #[test]
     fn defaults_and_errors() {
-        let args = parse(&["--model", "m", "--golden", "g"]).unwrap().unwrap();
+        let args = parse(&["--model", "m", "--golden", "g"]).unwrap();
         assert_eq!((args.dtype, args.device), (Precision::F32, Target::Cpu));
-        assert!(parse(&["--golden", "g"]).is_err());
-        assert!(parse(&["--model", "m", "--golden", "g", "--dtype", "f64"]).is_err());
-        assert!(parse(&["--model", "m", "--golden", "g", "--bogus"]).is_err());
-        assert!(parse(&["--model"]).is_err());
-        assert!(parse(&["--help"]).unwrap().is_none());
+        let kind = |args: &[&str]| parse(args).unwrap_err().kind();
+        use clap::error::ErrorKind;
+        assert_eq!(kind(&["--golden", "g"]), ErrorKind::MissingRequiredArgument);
+        assert_eq!(
+            kind(&["--model", "m", "--golden", "g", "--dtype", "f64"]),
+            ErrorKind::InvalidValue
+        );
+        assert_eq!(
+            kind(&["--model", "m", "--golden", "g", "--bogus"]),
+            ErrorKind::UnknownArgument
+        );
+        assert_eq!(kind(&["--model"]), ErrorKind::InvalidValue);
+        assert_eq!(kind(&["--help"]), ErrorKind::DisplayHelp);
     }
 }

@@ -14,7 +14,9 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 
-use crate::args::{Args, USAGE};
+use clap::Parser;
+
+use crate::args::Args;
 use crate::modes::Golden;
 use crate::report::{Report, Run};
 
@@ -33,10 +35,7 @@ async fn main() -> ExitCode {
 const SOME_MODE_FAILED: u8 = 2;
 
 async fn run() -> Result<ExitCode> {
-    let Some(args) = Args::parse(std::env::args().skip(1))? else {
-        print!("{USAGE}");
-        return Ok(ExitCode::SUCCESS);
-    };
+    let args = Args::parse();
     let device = args.device.open()?;
     let golden = Golden::load(&args.golden)?;
 

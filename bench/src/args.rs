@@ -1,61 +1,115 @@
-//! Command-line arguments, parsed by hand.
+//! Command-line arguments (clap).
 
 use std::path::PathBuf;
+use std::str::FromStr;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use candle_core::{DType, Device};
+use clap::builder::RangedU64ValueParser;
+use clap::error::ErrorKind;
+use clap::{CommandFactory, Parser, ValueEnum};
 
-pub const USAGE: &str = "\
-usage: berrylm-bench [--device cpu|cuda] [--dtype bf16|f32] [--layers N] [--tiny]
-                     [--prefill LIST] [--decode LIST] [--json OUT] [options]
+/// Builds a BerryLM-OS-shaped model with random weights on the device (nothing
+/// is read from disk, nothing written but --json and --save-checkpoint) and
+/// measures prefill and decode throughput of the berrylm plugin, the time of
+/// one KDA layer's kernels, the device's copy bandwidth and the weight-read
+/// floor of a decode step.
+#[derive(Debug, Parser)]
+#[command(name = "berrylm-bench", version)]
+struct Cli {
+    /// GPU 0 (cuda) or the CPU; default cuda in a CUDA build, else cpu.
+    #[arg(long, value_enum)]
+    device: Option<DeviceKind>,
+    /// Weights and activations; default bf16 on cuda, f32 on cpu (candle's CPU
+    /// matmul has no bf16).
+    #[arg(long, value_enum)]
+    dtype: Option<Precision>,
+    /// Decoder layers, [KDA, KDA, KDA, attention] repeated.
+    #[arg(long, default_value_t = 8, value_parser = positive())]
+    layers: usize,
+    /// A scaled-down shape (hidden 256, 8 experts top-2, vocabulary 2048) for
+    /// quick runs on the CPU.
+    #[arg(long)]
+    tiny: bool,
+    /// Prompt lengths of the batch-1 prefills (`none` skips them).
+    #[arg(long, default_value = "512,4096,16384", value_name = "LIST")]
+    prefill: Sizes,
+    /// Batch sizes of the decode runs (`none` skips them).
+    #[arg(long, default_value = "1,8,64", value_name = "LIST")]
+    decode: Sizes,
+    /// Tokens prefilled per sequence before decoding.
+    #[arg(long, default_value_t = 128, value_parser = positive())]
+    context: usize,
+    /// Timed decode steps.
+    #[arg(long, default_value_t = 32, value_parser = positive())]
+    steps: usize,
+    /// Decode steps before the timed ones.
+    #[arg(long, default_value_t = 3)]
+    warmup: usize,
+    /// Timed prefills per prompt length, after one warm-up.
+    #[arg(long, default_value_t = 3, value_parser = positive())]
+    repeats: usize,
+    /// Tokens of the kernels' prefill case.
+    #[arg(long, default_value_t = 4096, value_parser = positive())]
+    kernel_tokens: usize,
+    /// Milliseconds spent per kernel figure.
+    #[arg(long, default_value_t = 200, value_parser = positive())]
+    kernel_ms: usize,
+    /// Skip the per-kernel timings.
+    #[arg(long)]
+    no_kernels: bool,
+    /// Size of the bandwidth copy in MiB; default 1024 on a GPU, 256 on the CPU.
+    #[arg(long, value_parser = positive())]
+    copy_mib: Option<usize>,
+    /// Seed of the token ids.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Also write every figure as JSON.
+    #[arg(long, value_name = "OUT")]
+    json: Option<PathBuf>,
+    /// Instead of benchmarking, write the model as a servable checkpoint:
+    /// DIR/config.json, DIR/model.safetensors (bf16, generated on the device
+    /// tensor by tensor) and a word-level tokenizer over `t0 ... t{vocab-1}`
+    /// (eos: the last word).
+    #[arg(long, value_name = "DIR")]
+    save_checkpoint: Option<PathBuf>,
+}
 
-Builds a BerryLM-OS-shaped model with random weights on the device (nothing is
-read from disk, nothing written but --json and --save-checkpoint) and measures
-prefill and decode throughput of the berrylm plugin, the time of one KDA layer's
-kernels, the device's copy bandwidth and the weight-read floor of a decode step.
+fn positive() -> RangedU64ValueParser<usize> {
+    RangedU64ValueParser::new().range(1..)
+}
 
-  --device D           cpu or cuda (GPU 0); default cuda in a CUDA build, else cpu
-  --dtype D            weights and activations: bf16 or f32; default bf16 on cuda, f32
-                       on cpu (candle's CPU matmul has no bf16)
-  --layers N           decoder layers, [KDA, KDA, KDA, attention] repeated (default 8)
-  --tiny               a scaled-down shape (hidden 256, 8 experts top-2, vocabulary
-                       2048) for quick runs on the CPU
-  --prefill LIST       prompt lengths of the batch-1 prefills (default 512,4096,16384;
-                       `none` skips them)
-  --decode LIST        batch sizes of the decode runs (default 1,8,64; `none` skips them)
-  --context N          tokens prefilled per sequence before decoding (default 128)
-  --steps N            timed decode steps (default 32)
-  --warmup N           decode steps before the timed ones (default 3)
-  --repeats N          timed prefills per prompt length, after one warm-up (default 3)
-  --kernel-tokens N    tokens of the kernels' prefill case (default 4096)
-  --kernel-ms MS       time spent per kernel figure (default 200)
-  --no-kernels         skip the per-kernel timings
-  --copy-mib N         size of the bandwidth copy (default 1024 on a GPU, 256 on the CPU)
-  --seed N             seed of the token ids (default 0)
-  --json OUT           also write every figure as JSON
-  --save-checkpoint DIR  instead of benchmarking, write the model as a servable
-                       checkpoint: DIR/config.json, DIR/model.safetensors (bf16,
-                       generated on the device tensor by tensor) and a word-level
-                       tokenizer over `t0 ... t{vocab-1}` (eos: the last word)
-  --help               this text
-";
+/// A comma-separated list of positive integers, or `none`.
+#[derive(Clone, Debug)]
+struct Sizes(Vec<usize>);
+
+impl FromStr for Sizes {
+    type Err = String;
+
+    fn from_str(value: &str) -> Result<Sizes, String> {
+        if value.trim() == "none" {
+            return Ok(Sizes(Vec::new()));
+        }
+        value
+            .split(',')
+            .filter(|item| !item.trim().is_empty())
+            .map(|item| match item.trim().parse::<usize>() {
+                Ok(size) if size > 0 => Ok(size),
+                _ => Err(format!("`{item}` is not a positive integer")),
+            })
+            .collect::<Result<_, _>>()
+            .map(Sizes)
+    }
+}
 
 /// Compute type of the run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Precision {
     Bf16,
     F32,
 }
 
 impl Precision {
-    fn parse(value: &str) -> Result<Precision> {
-        Ok(match value {
-            "bf16" => Precision::Bf16,
-            "f32" => Precision::F32,
-            other => bail!("--dtype must be bf16 or f32, not `{other}`"),
-        })
-    }
-
     pub fn name(self) -> &'static str {
         match self {
             Precision::Bf16 => "bf16",
@@ -72,21 +126,13 @@ impl Precision {
 }
 
 /// Where the model runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum DeviceKind {
     Cpu,
     Cuda,
 }
 
 impl DeviceKind {
-    fn parse(value: &str) -> Result<DeviceKind> {
-        Ok(match value {
-            "cpu" => DeviceKind::Cpu,
-            "cuda" => DeviceKind::Cuda,
-            other => bail!("--device must be cpu or cuda, not `{other}`"),
-        })
-    }
-
     pub fn name(self) -> &'static str {
         match self {
             DeviceKind::Cpu => "cpu",
@@ -104,6 +150,7 @@ impl DeviceKind {
     }
 }
 
+/// The run's settings, defaults resolved for the device.
 #[derive(Clone, Debug)]
 pub struct Args {
     pub device: DeviceKind,
@@ -126,144 +173,79 @@ pub struct Args {
 }
 
 impl Args {
-    /// Parses the arguments; `None` when help was asked for.
-    pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Option<Args>> {
-        let device = if candle_core::utils::cuda_is_available() {
+    /// The process's arguments; on a wrong one clap prints its error and the
+    /// process exits.
+    pub fn from_command_line() -> Args {
+        Cli::parse().resolve().unwrap_or_else(|error| error.exit())
+    }
+
+    #[cfg(test)]
+    fn try_parse<'a>(args: impl IntoIterator<Item = &'a str>) -> Result<Args, clap::Error> {
+        Cli::try_parse_from(std::iter::once("berrylm-bench").chain(args))?.resolve()
+    }
+}
+
+impl Cli {
+    fn resolve(self) -> Result<Args, clap::Error> {
+        let device = self.device.unwrap_or(if candle_core::utils::cuda_is_available() {
             DeviceKind::Cuda
         } else {
             DeviceKind::Cpu
-        };
-        let mut parsed = Args {
-            device,
-            dtype: Precision::F32,
-            layers: 8,
-            tiny: false,
-            prefill: vec![512, 4096, 16384],
-            decode: vec![1, 8, 64],
-            context: 128,
-            steps: 32,
-            warmup: 3,
-            repeats: 3,
-            kernel_tokens: 4096,
-            kernel_ms: 200.0,
-            kernels: true,
-            copy_mib: 0,
-            seed: 0,
-            json: None,
-            save_checkpoint: None,
-        };
-        let mut dtype = None;
-        let mut iter = args.into_iter();
-        while let Some(arg) = iter.next() {
-            // `--name value` or `--name=value`.
-            let (name, inline) = match arg.split_once('=') {
-                Some((name, value)) if name.starts_with("--") => {
-                    (name.to_string(), Some(value.to_string()))
-                }
-                _ => (arg.clone(), None),
-            };
-            let mut value = |what: &str| -> Result<String> {
-                match &inline {
-                    Some(value) => Ok(value.clone()),
-                    None => iter.next().with_context(|| format!("{name} needs {what}")),
-                }
-            };
-            match name.as_str() {
-                "--help" | "-h" => return Ok(None),
-                "--device" => parsed.device = DeviceKind::parse(&value("cpu or cuda")?)?,
-                "--dtype" => dtype = Some(Precision::parse(&value("bf16 or f32")?)?),
-                "--layers" => parsed.layers = positive(&name, &value("a number")?)?,
-                "--tiny" => parsed.tiny = true,
-                "--prefill" => parsed.prefill = list(&name, &value("a list like 512,4096")?)?,
-                "--decode" => parsed.decode = list(&name, &value("a list like 1,8,64")?)?,
-                "--context" => parsed.context = positive(&name, &value("a number")?)?,
-                "--steps" => parsed.steps = positive(&name, &value("a number")?)?,
-                "--warmup" => parsed.warmup = number(&name, &value("a number")?)?,
-                "--repeats" => parsed.repeats = positive(&name, &value("a number")?)?,
-                "--kernel-tokens" => parsed.kernel_tokens = positive(&name, &value("a number")?)?,
-                "--kernel-ms" => {
-                    parsed.kernel_ms = positive(&name, &value("milliseconds")?)? as f64;
-                }
-                "--no-kernels" => parsed.kernels = false,
-                "--copy-mib" => parsed.copy_mib = positive(&name, &value("a number")?)?,
-                "--seed" => parsed.seed = number(&name, &value("a number")?)? as u64,
-                "--json" => parsed.json = Some(PathBuf::from(value("a file")?)),
-                "--save-checkpoint" => {
-                    parsed.save_checkpoint = Some(PathBuf::from(value("a folder")?));
-                }
-                other => bail!("unexpected argument `{other}`\n{USAGE}"),
-            }
-            if inline.is_some() && matches!(name.as_str(), "--tiny" | "--no-kernels" | "--help") {
-                bail!("{name} takes no value");
-            }
-        }
-        parsed.dtype = match (dtype, parsed.device) {
+        });
+        let dtype = match (self.dtype, device) {
             (Some(Precision::Bf16), DeviceKind::Cpu) => {
-                bail!("--dtype bf16 needs --device cuda: candle's CPU matmul has no bf16")
+                return Err(Cli::command().error(
+                    ErrorKind::ArgumentConflict,
+                    "--dtype bf16 needs --device cuda: candle's CPU matmul has no bf16",
+                ))
             }
             (Some(dtype), _) => dtype,
             (None, DeviceKind::Cuda) => Precision::Bf16,
             (None, DeviceKind::Cpu) => Precision::F32,
         };
-        if parsed.copy_mib == 0 {
-            parsed.copy_mib = match parsed.device {
+        Ok(Args {
+            device,
+            dtype,
+            layers: self.layers,
+            tiny: self.tiny,
+            prefill: self.prefill.0,
+            decode: self.decode.0,
+            context: self.context,
+            steps: self.steps,
+            warmup: self.warmup,
+            repeats: self.repeats,
+            kernel_tokens: self.kernel_tokens,
+            kernel_ms: self.kernel_ms as f64,
+            kernels: !self.no_kernels,
+            copy_mib: self.copy_mib.unwrap_or(match device {
                 DeviceKind::Cuda => 1024,
                 DeviceKind::Cpu => 256,
-            };
-        }
-        Ok(Some(parsed))
+            }),
+            seed: self.seed,
+            json: self.json,
+            save_checkpoint: self.save_checkpoint,
+        })
     }
-}
-
-fn number(name: &str, value: &str) -> Result<usize> {
-    value
-        .trim()
-        .parse::<usize>()
-        .with_context(|| format!("{name}: `{value}` is not a non-negative integer"))
-}
-
-fn positive(name: &str, value: &str) -> Result<usize> {
-    let parsed = number(name, value)?;
-    if parsed == 0 {
-        bail!("{name} must be positive");
-    }
-    Ok(parsed)
-}
-
-/// A comma-separated list of positive integers, or `none` for an empty list.
-fn list(name: &str, value: &str) -> Result<Vec<usize>> {
-    if value.trim() == "none" {
-        return Ok(Vec::new());
-    }
-    value
-        .split(',')
-        .filter(|item| !item.trim().is_empty())
-        .map(|item| positive(name, item))
-        .collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn parse(args: &[&str]) -> Result<Option<Args>> {
-        Args::parse(args.iter().map(|a| a.to_string()))
-    }
-
     #[test]
     fn defaults_and_overrides() {
-        let args = parse(&["--device", "cuda"]).unwrap().unwrap();
+        let args = Args::try_parse(["--device", "cuda"]).unwrap();
         assert_eq!(args.dtype, Precision::Bf16);
         assert_eq!(args.copy_mib, 1024);
-        let args = parse(&[]).unwrap().unwrap();
+        let args = Args::try_parse([]).unwrap();
         assert_eq!(args.layers, 8);
         assert_eq!(args.prefill, vec![512, 4096, 16384]);
         assert_eq!(args.decode, vec![1, 8, 64]);
         assert_eq!((args.context, args.steps, args.warmup), (128, 32, 3));
-        let cpu = parse(&["--device", "cpu"]).unwrap().unwrap();
+        let cpu = Args::try_parse(["--device", "cpu"]).unwrap();
         assert_eq!(cpu.dtype, Precision::F32);
 
-        let args = parse(&[
+        let args = Args::try_parse([
             "--device",
             "cpu",
             "--dtype=f32",
@@ -278,7 +260,6 @@ mod tests {
             "--save-checkpoint",
             "/tmp/ck",
         ])
-        .unwrap()
         .unwrap();
         assert_eq!(args.device, DeviceKind::Cpu);
         assert_eq!(args.dtype, Precision::F32);
@@ -289,12 +270,14 @@ mod tests {
         assert_eq!(args.copy_mib, 256);
         assert_eq!(args.json, Some(PathBuf::from("out.json")));
         assert_eq!(args.save_checkpoint, Some(PathBuf::from("/tmp/ck")));
-        assert!(parse(&["--prefill", "none"])
-            .unwrap()
+        assert!(Args::try_parse(["--prefill", "none"])
             .unwrap()
             .prefill
             .is_empty());
-        assert!(parse(&["--help"]).unwrap().is_none());
+        assert_eq!(
+            Args::try_parse(["--help"]).unwrap_err().kind(),
+            ErrorKind::DisplayHelp
+        );
     }
 
     #[test]
@@ -310,7 +293,7 @@ mod tests {
             &["--tiny=1"],
             &["--frobnicate"],
         ] {
-            assert!(parse(bad).is_err(), "{bad:?} was accepted");
+            assert!(Args::try_parse(bad.iter().copied()).is_err(), "{bad:?} was accepted");
         }
     }
 }

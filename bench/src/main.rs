@@ -28,7 +28,7 @@ use anyhow::{Context, Result};
 use candle_core::Device;
 use serde_json::{json, Value};
 
-use crate::args::{Args, USAGE};
+use crate::args::Args;
 use crate::measure::{mean, median, KERNEL_OPS};
 use crate::shape::ModelShape;
 
@@ -48,10 +48,7 @@ fn main() -> ExitCode {
 /// Runs every measurement; `Ok(false)` when some of them failed (each failure
 /// is reported and the others still run).
 fn run() -> Result<bool> {
-    let Some(args) = Args::parse(std::env::args().skip(1))? else {
-        print!("{USAGE}");
-        return Ok(true);
-    };
+    let args = Args::from_command_line();
     let device = args.device.open()?;
     let shape = if args.tiny {
         ModelShape::tiny(args.layers)

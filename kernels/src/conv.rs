@@ -49,6 +49,12 @@ pub fn causal_conv1d(x: &Tensor, weight: &Tensor, state: &Tensor) -> Result<(Ten
 /// [`MAX_CONV_OUTPUT_GROUPS`]), each returned as its own contiguous
 /// `[B, T, width]` tensor: a KDA layer's packed `q | k | v` come out as the
 /// three tensors its recurrence reads, without copies.
+///
+/// The plugin does not call it (it runs [`causal_conv1d_split_in_pool`] on
+/// its conv state pool); it is kept as a test reference: the tests compare
+/// the in-pool convolution with it on the gathered rows, and its CUDA split
+/// outputs with the CPU's. [`causal_conv1d`] (used by the benchmarks) calls
+/// it with one group.
 pub fn causal_conv1d_split(
     x: &Tensor,
     weight: &Tensor,
@@ -112,7 +118,7 @@ pub fn causal_conv1d_split(
 /// [`causal_conv1d_split`] on the gathered rows (on CUDA with the same
 /// kernel code).
 ///
-/// The slots are validated as for [`crate::kda_recurrence_in_pool`]
+/// The slots are validated as for [`crate::kda_recurrence_in_pool_with`]
 /// (`host_slots`: `B` distinct values `< S`; `slots`: `u32` `[B]`, on the CPU
 /// equal to `host_slots`). On CUDA a sequence whose `slots` entry is `>= S`
 /// is left alone (its outputs unspecified), so a disagreeing `slots` never

@@ -6,12 +6,11 @@
 //! | [`kda_gate`] | 3.6 step 3 | KDA forget gate `-exp(A_log) * softplus(raw + dt_bias)`, optionally clamped |
 //! | [`kda_beta`] | 3.6 step 3 | KDA write strength `sigmoid(b)` in f32 |
 //! | [`causal_conv1d`] | 3.6 step 4, 4 | depthwise causal short convolution + SiLU, with a carried state of `K` columns |
-//! | [`causal_conv1d_split`] | 3.6 step 4, 4 | the same, its output channels split into separate contiguous tensors (q, k, v) |
+//! | [`causal_conv1d_split`] | 3.6 step 4, 4 | the same, its output channels split into separate contiguous tensors (q, k, v); a test reference for the in-pool one |
 //! | [`causal_conv1d_split_in_pool`] | 3.6 step 4, 4 | the same for sequences whose states are rows of a conv state pool, updated in place by slot |
 //! | [`kda_recurrence`] | 3.6 step 6 | the KDA delta-rule recurrence with per-key-channel decay |
-//! | [`kda_recurrence_with`] | 3.6 step 6 | the same, with an explicit [`KdaPrefillAlgorithm`] for CUDA prefill |
-//! | [`kda_recurrence_in_pool`] | 3.6 step 6 | the same for sequences whose states are rows of an `f32` state pool, updated in place by slot |
-//! | [`kda_recurrence_in_pool_with`] | 3.6 step 6 | the same, with an explicit [`KdaPrefillAlgorithm`] for CUDA prefill |
+//! | [`kda_recurrence_with`] | 3.6 step 6 | the same, with an explicit [`KdaPrefillAlgorithm`] for CUDA prefill; a test reference |
+//! | [`kda_recurrence_in_pool_with`] | 3.6 step 6 | the same for sequences whose states are rows of an `f32` state pool, updated in place by slot, with an explicit [`KdaPrefillAlgorithm`] |
 //! | [`attn_res_mix`] | 3.4 | gated block AttnRes: depth softmax over committed streams and the current stream |
 //! | [`gated_rms_norm`] | 3.1 | RMSNorm before a SiLU gate (the KDA output norm) |
 //! | [`offset_rms_norm`] | 3.1 | the `(1 + w)` RMSNorm of the layer, q/k and final norms |
@@ -19,7 +18,7 @@
 //! | [`offset_rms_norm_rope`] | 3.5 step 2-3 | the q/k `(1 + w)` RMSNorm followed by the partial NeoX rotary embedding |
 //! | [`sigmoid_gate_mul`] | 3.5 step 5 | the attention output times the sigmoid of its gate |
 //! | [`moe_route`] | 3.7 | MoE router: softmax, top-k with `torch.topk`'s order, optional renormalisation |
-//! | [`moe_experts`] | 3.7 step 3 | the routed experts' weighted sum for decode-sized batches, accumulated in expert order |
+//! | [`moe_experts`] | 3.7 step 3 | the routed experts' weighted sum, accumulated in expert order (decode kernels; grouped GEMMs for prompts on CUDA) |
 //! | [`swiglu`] | 3.7 step 3-4 | an expert's `silu(gate) * up` from its packed gate-then-up projection |
 //! | [`add_moe_output`] | 3.7 step 4-5 | the sigmoid-gated shared expert plus the routed output, added to the residual |
 //!
@@ -65,11 +64,11 @@ pub use conv::{
 pub use gate::{kda_beta, kda_gate};
 pub use gate_mul::sigmoid_gate_mul;
 pub use mlp::{add_moe_output, swiglu};
-pub use moe::{moe_experts, MOE_EXPERTS_MAX_ROUTED_ROWS};
+pub use moe::moe_experts;
 pub use norm::{add_offset_rms_norm, gated_rms_norm, offset_rms_norm};
 pub use recurrence::{
-    kda_recurrence, kda_recurrence_in_pool, kda_recurrence_in_pool_with, kda_recurrence_with,
-    KdaPrefillAlgorithm, StatePool,
+    kda_recurrence, kda_recurrence_in_pool_with, kda_recurrence_with, KdaPrefillAlgorithm,
+    StatePool,
 };
 pub use rope::offset_rms_norm_rope;
 pub use route::moe_route;

@@ -13,10 +13,6 @@ use crate::{
 
 const OP: &str = "moe_experts";
 
-/// The most routed rows (tokens times top-k) one [`moe_experts`] call takes
-/// on CUDA.
-pub const MOE_EXPERTS_MAX_ROUTED_ROWS: usize = 4096;
-
 /// The weighted sum of every token's routed experts:
 ///
 /// ```text
@@ -42,12 +38,15 @@ pub const MOE_EXPERTS_MAX_ROUTED_ROWS: usize = 4096;
 ///
 /// Returns `[N, H]` in the dtype of `x`.
 ///
-/// On CUDA (at most [`MOE_EXPERTS_MAX_ROUTED_ROWS`] routed rows `N * k`)
-/// three launches: each expert's
-/// weights are read once per group of up to 8 of the tokens routed to it,
-/// which suits decode; long prompts belong to tensor-core GEMMs. The CPU
-/// fails on an id at or above `E`; CUDA cannot check the ids without waiting
-/// for the device and skips such an id.
+/// On CUDA, up to 512 routed rows `N * k` (a decode step of 64 sequences at
+/// top-8) take three launches in which each expert's weights are read once
+/// per group of up to 8 of the tokens routed to it; more rows (prompts) read
+/// the ids back once, gather the rows by expert and run both projections as
+/// cuBLAS grouped GEMMs on the tensor cores (f32 accumulation, one rounding
+/// per output, as the reference's `Linear`), with the same SwiGLU and combine.
+/// The CPU and the grouped path fail on an id at or above `E`; the decode
+/// kernels cannot check the ids without waiting for the device and skip such
+/// an id.
 pub fn moe_experts(
     x: &Tensor,
     weights: &Tensor,

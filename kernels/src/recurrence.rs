@@ -126,6 +126,12 @@ fn default_algorithm(q: &Tensor) -> KdaPrefillAlgorithm {
 /// kernel chosen by batch size and state alignment. On the CPU both
 /// algorithms run the CPU reference, so the results do not depend on
 /// `algorithm`.
+///
+/// The plugin does not call it (it runs [`kda_recurrence_in_pool_with`] on
+/// its state pool); it is kept as a test reference: the CUDA tests
+/// (`tests/cuda.rs`) run every recurrence case through it once per
+/// algorithm against the CPU reference, and `examples/kernel_bench.rs` times
+/// it. [`kda_recurrence`] (used by the benchmarks) calls it.
 pub fn kda_recurrence_with(
     algorithm: KdaPrefillAlgorithm,
     q: &Tensor,
@@ -156,7 +162,7 @@ const POOL_OP: &str = "kda_recurrence_in_pool";
 /// per-sequence states, read and updated in place by the functions taking
 /// it, which touch only the batch's rows.
 ///
-/// Used for the recurrent states of [`kda_recurrence_in_pool`] and the conv
+/// Used for the recurrent states of [`kda_recurrence_in_pool_with`] and the conv
 /// states of [`crate::causal_conv1d_split_in_pool`]; each function documents
 /// the shape and dtype its pool must have.
 #[derive(Clone, Copy)]
@@ -178,15 +184,18 @@ pub struct StatePool<'a> {
 /// The recurrence of [`kda_recurrence`] for `B` sequences whose states are
 /// rows `slots[b]` of `pool.states`, updated in place.
 ///
+/// * `algorithm`: as for [`kda_recurrence_with`];
+///   [`KdaPrefillAlgorithm::for_len`] of `T` picks what [`kda_recurrence`]
+///   would.
 /// * `q`, `k`, `v`, `g`, `beta`: as for [`kda_recurrence`] (same shapes,
-///   dtypes, validation and arithmetic; the prefill algorithm is chosen by
-///   `T` the same way).
+///   dtypes, validation and arithmetic).
 /// * `pool`: the state pool and the batch's rows in it ([`StatePool`]);
 ///   `pool.states` is `[S, Hv, dk, dv]`, `f32`, contiguous.
 ///
 /// Before returning, row `slots[b]` of `pool.states` holds the final state that
-/// [`kda_recurrence`] returns for sequence `b` started from that row (bit
-/// for bit on the CPU and with the same CUDA kernels); no other row is
+/// [`kda_recurrence_with`] returns with the same `algorithm` for sequence `b`
+/// started from that row (bit for bit on the CPU and with the same CUDA
+/// kernels); no other row is
 /// written. The write goes into the pool's storage, so every tensor sharing
 /// it sees the new states. Returns the output `[B, T, Hv, dv]` (`f32`).
 ///
@@ -195,19 +204,6 @@ pub struct StatePool<'a> {
 /// sequence whose `slots` entry is `>= S` alone, so a disagreeing `slots`
 /// can leave outputs unspecified but never writes outside the pool. No
 /// input may share storage with `pool.states`.
-pub fn kda_recurrence_in_pool(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    g: &Tensor,
-    beta: &Tensor,
-    pool: StatePool<'_>,
-) -> Result<Tensor> {
-    kda_recurrence_in_pool_with(default_algorithm(q), q, k, v, g, beta, pool)
-}
-
-/// [`kda_recurrence_in_pool`] with an explicit prefill algorithm (as
-/// [`kda_recurrence_with`] is to [`kda_recurrence`]).
 pub fn kda_recurrence_in_pool_with(
     algorithm: KdaPrefillAlgorithm,
     q: &Tensor,
@@ -256,7 +252,7 @@ pub fn kda_recurrence_in_pool_with(
     }
 }
 
-/// Validates the state pool of [`kda_recurrence_in_pool`] and returns its
+/// Validates the state pool of [`kda_recurrence_in_pool_with`] and returns its
 /// row count `S`.
 fn validate_pool(pool: &Tensor, dims: &RecurrenceDims) -> Result<usize> {
     if pool.dtype() != DType::F32 {

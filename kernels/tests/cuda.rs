@@ -16,7 +16,7 @@ mod common;
 use berrylm_kernels::{
     add_moe_output, add_offset_rms_norm, attn_res_mix, causal_conv1d, causal_conv1d_split,
     causal_conv1d_split_in_pool, gated_rms_norm, kda_beta, kda_gate, kda_recurrence,
-    kda_recurrence_in_pool, kda_recurrence_with, moe_experts, moe_route, offset_rms_norm,
+    kda_recurrence_in_pool_with, kda_recurrence_with, moe_experts, moe_route, offset_rms_norm,
     offset_rms_norm_rope, sigmoid_gate_mul, swiglu, KdaPrefillAlgorithm, KernelError, Result,
     StatePool,
 };
@@ -167,6 +167,44 @@ fn identical(what: &str, cuda: &Tensor, cpu: &Tensor) -> Result<()> {
     Ok(())
 }
 
+/// Copies of CPU tensors on the GPU.
+fn to_gpu_all(tensors: &[Tensor]) -> Result<Vec<Tensor>> {
+    let dev = gpu();
+    tensors.iter().map(|t| to_gpu(t, &dev)).collect()
+}
+
+/// `op` of the CPU tensors `inputs` and of their copies on the GPU, as
+/// `(cuda, cpu)`.
+fn on_both<const N: usize, T>(
+    inputs: [&Tensor; N],
+    op: impl Fn([&Tensor; N]) -> Result<T>,
+) -> Result<(T, T)> {
+    let cpu = op(inputs)?;
+    let copies = to_gpu_all(&inputs.map(Tensor::clone))?;
+    let cuda = op(std::array::from_fn(|i| &copies[i]))?;
+    Ok((cuda, cpu))
+}
+
+/// [`on_both`] of an operation with one tensor result, compared as
+/// [`compare`] does.
+fn compare_on_both<const N: usize>(
+    what: &str,
+    inputs: [&Tensor; N],
+    tol: Tol,
+    op: impl Fn([&Tensor; N]) -> Result<Tensor>,
+) -> Result<usize> {
+    let (cuda, cpu) = on_both(inputs, op)?;
+    compare(what, &cuda, &cpu, tol)
+}
+
+/// Compares the parts of a split result (`{what} part {index}`).
+fn compare_parts(what: &str, cuda: &[Tensor], cpu: &[Tensor], tol: Tol) -> Result<()> {
+    for (index, (cuda, cpu)) in cuda.iter().zip(cpu).enumerate() {
+        compare(&format!("{what} part {index}"), cuda, cpu, tol)?;
+    }
+    Ok(())
+}
+
 // ---------------------------------------------------------------- kda_gate
 
 #[test]
@@ -174,40 +212,34 @@ fn beta_matches_cpu() -> Result<()> {
     let mut rng = Rng::new(2700);
     for (tokens, dtype) in [(1, DType::BF16), (64, DType::F32), (300, DType::F16)] {
         let b = random(&mut rng, &[tokens, HV], -12.0, 12.0, dtype)?;
-        compare(
+        compare_on_both(
             &format!("kda_beta [{tokens}, {HV}] {dtype:?}"),
-            &kda_beta(&to_gpu(&b, &gpu())?)?,
-            &kda_beta(&b)?,
+            [&b],
             TIGHT,
+            |[b]| kda_beta(b),
         )?;
     }
     Ok(())
 }
 
+/// Tolerance of `kda_gate`.
+const GATE_TOL: Tol = Tol {
+    atol: 1e-6,
+    rtol: 1e-5,
+};
+
 fn gate_case(seed: u64, tokens: usize, heads: usize, dk: usize, dtype: DType) -> Result<()> {
-    let dev = gpu();
     let mut rng = Rng::new(seed);
     let raw = random(&mut rng, &[tokens, heads * dk], -8.0, 25.0, dtype)?;
     let a_log = random(&mut rng, &[heads], -2.0, 2.0, DType::F32)?;
     let dt_bias = random(&mut rng, &[heads * dk], -1.0, 1.0, DType::F32)?;
     for lower_bound in [None, Some(-5.0f32)] {
-        let cpu = kda_gate(&raw, &a_log, &dt_bias, heads, lower_bound)?;
-        let cuda = kda_gate(
-            &to_gpu(&raw, &dev)?,
-            &to_gpu(&a_log, &dev)?,
-            &to_gpu(&dt_bias, &dev)?,
-            heads,
-            lower_bound,
-        )?;
         let what = format!("kda_gate N={tokens} Hv={heads} dk={dk} {dtype:?} lb={lower_bound:?}");
-        compare(
+        compare_on_both(
             &what,
-            &cuda,
-            &cpu,
-            Tol {
-                atol: 1e-6,
-                rtol: 1e-5,
-            },
+            [&raw, &a_log, &dt_bias],
+            GATE_TOL,
+            |[raw, a_log, dt_bias]| kda_gate(raw, a_log, dt_bias, heads, lower_bound),
         )?;
     }
     Ok(())
@@ -228,27 +260,15 @@ fn gate_matches_cpu_at_odd_shape() -> Result<()> {
     gate_case(20, 7, 4, 12, DType::F32)?;
     gate_case(21, 7, 4, 12, DType::BF16)?;
     // Parameters in bf16 are widened exactly.
-    let dev = gpu();
     let mut rng = Rng::new(22);
     let raw = random(&mut rng, &[5, 24], -4.0, 4.0, DType::BF16)?;
     let a_log = random(&mut rng, &[2], -1.0, 1.0, DType::BF16)?;
     let dt_bias = random(&mut rng, &[24], -1.0, 1.0, DType::BF16)?;
-    let cpu = kda_gate(&raw, &a_log, &dt_bias, 2, None)?;
-    let cuda = kda_gate(
-        &to_gpu(&raw, &dev)?,
-        &to_gpu(&a_log, &dev)?,
-        &to_gpu(&dt_bias, &dev)?,
-        2,
-        None,
-    )?;
-    compare(
+    compare_on_both(
         "kda_gate bf16 params",
-        &cuda,
-        &cpu,
-        Tol {
-            atol: 1e-6,
-            rtol: 1e-5,
-        },
+        [&raw, &a_log, &dt_bias],
+        GATE_TOL,
+        |[raw, a_log, dt_bias]| kda_gate(raw, a_log, dt_bias, 2, None),
     )?;
     Ok(())
 }
@@ -265,7 +285,6 @@ struct ConvCase {
 }
 
 fn conv_case(seed: u64, case: &ConvCase) -> Result<()> {
-    let dev = gpu();
     let mut rng = Rng::new(seed);
     let ConvCase {
         batch,
@@ -278,12 +297,10 @@ fn conv_case(seed: u64, case: &ConvCase) -> Result<()> {
     let x = random(&mut rng, &[batch, seq_len, channels], -2.0, 2.0, x_dtype)?;
     let weight = random(&mut rng, &[channels, kernel], -0.6, 0.6, x_dtype)?;
     let state = random(&mut rng, &[batch, channels, kernel], -2.0, 2.0, state_dtype)?;
-    let (out_cpu, state_cpu) = causal_conv1d(&x, &weight, &state)?;
-    let (out_cuda, state_cuda) = causal_conv1d(
-        &to_gpu(&x, &dev)?,
-        &to_gpu(&weight, &dev)?,
-        &to_gpu(&state, &dev)?,
-    )?;
+    let ((out_cuda, state_cuda), (out_cpu, state_cpu)) =
+        on_both([&x, &weight, &state], |[x, weight, state]| {
+            causal_conv1d(x, weight, state)
+        })?;
     let what = format!(
         "causal_conv1d B={batch} T={seq_len} C={channels} K={kernel} x={x_dtype:?} state={state_dtype:?}"
     );
@@ -295,7 +312,6 @@ fn conv_case(seed: u64, case: &ConvCase) -> Result<()> {
 /// The KDA layer's call: q | k | v as three outputs, at decode and prefill.
 #[test]
 fn conv_split_matches_cpu_at_model_shapes() -> Result<()> {
-    let dev = gpu();
     let widths = [HK * DK, HK * DK, HV * DV];
     let mut seed = 2400;
     for (batch, seq_len) in [(1, 1), (8, 1), (1, 200)] {
@@ -305,22 +321,12 @@ fn conv_split_matches_cpu_at_model_shapes() -> Result<()> {
             let x = random(&mut rng, &[batch, seq_len, CONV_DIM], -2.0, 2.0, dtype)?;
             let weight = random(&mut rng, &[CONV_DIM, CONV_K], -0.6, 0.6, DType::F32)?;
             let state = random(&mut rng, &[batch, CONV_DIM, CONV_K], -2.0, 2.0, DType::F32)?;
-            let (parts_cpu, state_cpu) = causal_conv1d_split(&x, &weight, &state, &widths)?;
-            let (parts_cuda, state_cuda) = causal_conv1d_split(
-                &to_gpu(&x, &dev)?,
-                &to_gpu(&weight, &dev)?,
-                &to_gpu(&state, &dev)?,
-                &widths,
-            )?;
+            let ((parts_cuda, state_cuda), (parts_cpu, state_cpu)) =
+                on_both([&x, &weight, &state], |[x, weight, state]| {
+                    causal_conv1d_split(x, weight, state, &widths)
+                })?;
             let what = format!("causal_conv1d_split B={batch} T={seq_len} {dtype:?}");
-            for (index, (cuda, cpu)) in parts_cuda.iter().zip(&parts_cpu).enumerate() {
-                compare(
-                    &format!("{what} part {index}"),
-                    cuda,
-                    cpu,
-                    output_tol(dtype),
-                )?;
-            }
+            compare_parts(&what, &parts_cuda, &parts_cpu, output_tol(dtype))?;
             identical(&format!("{what} new state"), &state_cuda, &state_cpu)?;
         }
     }
@@ -581,9 +587,18 @@ fn rec_case(seed: u64, s: RecSizes, qkv: DType, fresh: bool, g_low: f32) -> Resu
         "kda_recurrence B={} T={} Hk={} Hv={} dk={} dv={} {qkv:?} fresh={fresh} g>={g_low}",
         s.batch, s.seq_len, s.hk, s.hv, s.dk, s.dv
     );
-    let state_gpu = to_gpu(&state, &dev)?;
+    rec_all_algorithms(&what, &inputs, &state, &to_gpu(&state, &dev)?)
+}
+
+/// [`rec_step`] once per algorithm, from the same states.
+fn rec_all_algorithms(
+    what: &str,
+    inputs: &RecInputs,
+    state_cpu: &Tensor,
+    state_gpu: &Tensor,
+) -> Result<()> {
     for algorithm in ALGORITHMS {
-        rec_step(&what, algorithm, &inputs, &state, &state_gpu, false)?;
+        rec_step(what, algorithm, inputs, state_cpu, state_gpu, false)?;
     }
     Ok(())
 }
@@ -746,17 +761,12 @@ fn recurrence_decode_with_unaligned_state() -> Result<()> {
         .narrow(0, 1, len)?
         .reshape((s.batch, s.hv, s.dk, s.dv))?;
     assert_eq!(state_gpu.layout().start_offset(), 1);
-    for algorithm in ALGORITHMS {
-        rec_step(
-            "recurrence decode, unaligned state",
-            algorithm,
-            &inputs,
-            &state,
-            &state_gpu,
-            false,
-        )?;
-    }
-    Ok(())
+    rec_all_algorithms(
+        "recurrence decode, unaligned state",
+        &inputs,
+        &state,
+        &state_gpu,
+    )
 }
 
 #[test]
@@ -775,18 +785,12 @@ fn recurrence_widens_mixed_dtypes() -> Result<()> {
     inputs.v = inputs.v.to_dtype(DType::F32)?;
     inputs.beta = inputs.beta.to_dtype(DType::BF16)?;
     let state = rec_state(&mut rng, s, false)?.to_dtype(DType::BF16)?;
-    let state_gpu = to_gpu(&state, &dev)?;
-    for algorithm in ALGORITHMS {
-        rec_step(
-            "recurrence mixed dtypes",
-            algorithm,
-            &inputs,
-            &state,
-            &state_gpu,
-            false,
-        )?;
-    }
-    Ok(())
+    rec_all_algorithms(
+        "recurrence mixed dtypes",
+        &inputs,
+        &state,
+        &to_gpu(&state, &dev)?,
+    )
 }
 
 // -------------------------------------------------- kda_recurrence_in_pool
@@ -812,7 +816,8 @@ fn pool_rows(pool: &Tensor, slots: &[u32]) -> Result<Tensor> {
     Ok(pool.index_select(&ids, 0)?)
 }
 
-/// One `kda_recurrence_in_pool` call on a pool of [`POOL_ROWS`] random
+/// One `kda_recurrence_in_pool_with` call (with the algorithm
+/// `kda_recurrence` picks) on a pool of [`POOL_ROWS`] random
 /// states, on both devices. The CUDA output and the rows at `slots` are
 /// compared with the CPU reference under `rec_step`'s tolerances (`TIGHT`
 /// for the sequential kernels, agreement up to summation order;
@@ -839,8 +844,10 @@ fn pool_case(seed: u64, s: RecSizes, qkv: DType) -> Result<()> {
         &slots[..slots.len().min(4)]
     );
 
+    let algorithm = KdaPrefillAlgorithm::for_len(s.seq_len);
     let pool_cpu = pool.copy()?;
-    let o_cpu = kda_recurrence_in_pool(
+    let o_cpu = kda_recurrence_in_pool_with(
+        algorithm,
         &inputs.q,
         &inputs.k,
         &inputs.v,
@@ -858,7 +865,8 @@ fn pool_case(seed: u64, s: RecSizes, qkv: DType) -> Result<()> {
     let pool_gpu = to_gpu(&pool, &dev)?;
     let (o_gathered, s_gathered) =
         kda_recurrence(&q, &k, &v, &g, &beta, &pool_rows(&pool_gpu, &slots)?)?;
-    let o_gpu = kda_recurrence_in_pool(
+    let o_gpu = kda_recurrence_in_pool_with(
+        algorithm,
         &q,
         &k,
         &v,
@@ -958,11 +966,7 @@ fn attn_res_case(
         .collect::<Result<Vec<_>>>()?;
     let query = random(&mut rng, &[hidden], -0.1, 0.1, DType::F32)?;
     let cpu = attn_res_mix(&sources, &query, gate, 1e-6)?;
-    let gpu_sources = sources
-        .iter()
-        .map(|s| to_gpu(s, &dev))
-        .collect::<Result<Vec<_>>>()?;
-    let cuda = attn_res_mix(&gpu_sources, &to_gpu(&query, &dev)?, gate, 1e-6)?;
+    let cuda = attn_res_mix(&to_gpu_all(&sources)?, &to_gpu(&query, &dev)?, gate, 1e-6)?;
     let what = format!("attn_res_mix N={tokens} H={hidden} S={count} {dtype:?} gate={gate:?}");
     compare(&what, &cuda, &cpu, output_tol(dtype))?;
     if gate == Some(0.0) {
@@ -1014,11 +1018,12 @@ fn attn_res_mixed_dtypes_and_limits() -> Result<()> {
     ];
     let query = random(&mut rng, &[64], -0.3, 0.3, DType::BF16)?;
     let cpu = attn_res_mix(&sources, &query, Some(0.5), 1e-6)?;
-    let gpu_sources = sources
-        .iter()
-        .map(|s| to_gpu(s, &dev))
-        .collect::<Result<Vec<_>>>()?;
-    let cuda = attn_res_mix(&gpu_sources, &to_gpu(&query, &dev)?, Some(0.5), 1e-6)?;
+    let cuda = attn_res_mix(
+        &to_gpu_all(&sources)?,
+        &to_gpu(&query, &dev)?,
+        Some(0.5),
+        1e-6,
+    )?;
     compare(
         "attn_res_mix mixed dtypes",
         &cuda,
@@ -1039,20 +1044,17 @@ fn attn_res_mixed_dtypes_and_limits() -> Result<()> {
 // ---------------------------------------------------------- gated_rms_norm
 
 fn norm_case(seed: u64, rows: usize, width: usize, x_dtype: DType, z_dtype: DType) -> Result<()> {
-    let dev = gpu();
     let mut rng = Rng::new(seed);
     let x = random(&mut rng, &[rows, width], -3.0, 3.0, x_dtype)?;
     let z = random(&mut rng, &[rows, width], -4.0, 4.0, z_dtype)?;
     let weight = random(&mut rng, &[width], 0.5, 1.5, x_dtype)?;
-    let cpu = gated_rms_norm(&x, &z, &weight, 1e-6)?;
-    let cuda = gated_rms_norm(
-        &to_gpu(&x, &dev)?,
-        &to_gpu(&z, &dev)?,
-        &to_gpu(&weight, &dev)?,
-        1e-6,
-    )?;
     let what = format!("gated_rms_norm rows={rows} D={width} x={x_dtype:?} z={z_dtype:?}");
-    compare(&what, &cuda, &cpu, output_tol(x_dtype))?;
+    compare_on_both(
+        &what,
+        [&x, &z, &weight],
+        output_tol(x_dtype),
+        |[x, z, weight]| gated_rms_norm(x, z, weight, 1e-6),
+    )?;
     Ok(())
 }
 
@@ -1194,14 +1196,10 @@ fn add_offset_norm_matches_cpu() -> Result<()> {
             let x = random(&mut rng, &[rows, HIDDEN], -3.0, 3.0, dtype)?;
             let delta = random(&mut rng, &[rows, HIDDEN], -1.0, 1.0, dtype)?;
             let scale = random(&mut rng, &[HIDDEN], 0.5, 1.5, DType::F32)?;
-            let (sum_cpu, normed_cpu) = add_offset_rms_norm(&x, &delta, &scale, 1e-6)?;
-            let dev = gpu();
-            let (sum_cuda, normed_cuda) = add_offset_rms_norm(
-                &to_gpu(&x, &dev)?,
-                &to_gpu(&delta, &dev)?,
-                &to_gpu(&scale, &dev)?,
-                1e-6,
-            )?;
+            let ((sum_cuda, normed_cuda), (sum_cpu, normed_cpu)) =
+                on_both([&x, &delta, &scale], |[x, delta, scale]| {
+                    add_offset_rms_norm(x, delta, scale, 1e-6)
+                })?;
             let what = format!("add_offset_rms_norm [{rows}, {HIDDEN}] {dtype:?}");
             identical(&format!("{what} sum"), &sum_cuda, &sum_cpu)?;
             compare(
@@ -1550,24 +1548,22 @@ fn swiglu_matches_cpu_at_model_shapes() -> Result<()> {
             seed += 1;
             let mut rng = Rng::new(seed);
             let gate_up = random(&mut rng, &[rows, 2 * MOE_INTERMEDIATE], -6.0, 6.0, dtype)?;
-            let cpu = swiglu(&gate_up)?;
-            let cuda = swiglu(&to_gpu(&gate_up, &gpu())?)?;
-            compare(
+            compare_on_both(
                 &format!("swiglu [{rows}, {}] {dtype:?}", 2 * MOE_INTERMEDIATE),
-                &cuda,
-                &cpu,
+                [&gate_up],
                 output_tol(dtype),
+                |[gate_up]| swiglu(gate_up),
             )?;
         }
     }
     // Rank 3 and an odd width.
     let mut rng = Rng::new(2200);
     let gate_up = random(&mut rng, &[2, 3, 2 * 37], -6.0, 6.0, DType::BF16)?;
-    compare(
+    compare_on_both(
         "swiglu [2, 3, 74] bf16",
-        &swiglu(&to_gpu(&gate_up, &gpu())?)?,
-        &swiglu(&gate_up)?,
+        [&gate_up],
         output_tol(DType::BF16),
+        |[gate_up]| swiglu(gate_up),
     )?;
     Ok(())
 }
@@ -1583,19 +1579,11 @@ fn add_moe_output_matches_cpu_at_model_shapes() -> Result<()> {
             let routed = random(&mut rng, &[rows, HIDDEN], -2.0, 2.0, dtype)?;
             let shared = random(&mut rng, &[rows, HIDDEN], -2.0, 2.0, dtype)?;
             let logit = random(&mut rng, &[rows, 1], -6.0, 6.0, dtype)?;
-            let cpu = add_moe_output(&residual, &routed, &shared, &logit)?;
-            let device = gpu();
-            let cuda = add_moe_output(
-                &to_gpu(&residual, &device)?,
-                &to_gpu(&routed, &device)?,
-                &to_gpu(&shared, &device)?,
-                &to_gpu(&logit, &device)?,
-            )?;
-            compare(
+            compare_on_both(
                 &format!("add_moe_output [{rows}, {HIDDEN}] {dtype:?}"),
-                &cuda,
-                &cpu,
+                [&residual, &routed, &shared, &logit],
                 output_tol(dtype),
+                |[residual, routed, shared, logit]| add_moe_output(residual, routed, shared, logit),
             )?;
         }
     }
@@ -1856,14 +1844,9 @@ fn moe_experts_case(seed: u64, tokens: usize, dims: [usize; 4], dtype: DType) ->
     let gate_up = random(&mut rng, &[experts, 2 * inter, hidden], -0.05, 0.05, dtype)?;
     let down = random(&mut rng, &[experts, hidden, inter], -0.05, 0.05, dtype)?;
     let (weights, ids) = moe_routing(&mut rng, tokens, experts, top_k)?;
-    let cpu = moe_experts(&x, &weights, &ids, &gate_up, &down)?;
-    let dev = gpu();
-    let cuda = moe_experts(
-        &to_gpu(&x, &dev)?,
-        &to_gpu(&weights, &dev)?,
-        &to_gpu(&ids, &dev)?,
-        &to_gpu(&gate_up, &dev)?,
-        &to_gpu(&down, &dev)?,
+    let (cuda, cpu) = on_both(
+        [&x, &weights, &ids, &gate_up, &down],
+        |[x, weights, ids, gate_up, down]| moe_experts(x, weights, ids, gate_up, down),
     )?;
     // Bounded, not counted: a rounding of `gate | up` or `h` that flips
     // (the dot products' summation orders differ) moves every output that
@@ -1900,6 +1883,20 @@ fn moe_experts_matches_cpu_at_odd_sizes() -> Result<()> {
     moe_experts_case(2600, 5, [7, 3, 40, 13], DType::BF16)?;
     moe_experts_case(2601, 3, [7, 3, 40, 13], DType::F32)?;
     moe_experts_case(2602, 9, [4, 1, 64, 24], DType::BF16)?;
+    Ok(())
+}
+
+/// Prompt-sized calls: more routed rows than the decode kernels take (512),
+/// so the rows are gathered by expert and both projections run as grouped
+/// GEMMs before the same combine; at model widths and at odd ones.
+#[test]
+fn moe_experts_grouped_gemms_match_cpu() -> Result<()> {
+    let mut seed = 2650;
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        seed += 1;
+        moe_experts_case(seed, 80, [16, TOP_K, HIDDEN, MOE_INTERMEDIATE], dtype)?;
+    }
+    moe_experts_case(2660, 200, [7, 3, 40, 13], DType::BF16)?;
     Ok(())
 }
 
@@ -1960,14 +1957,7 @@ fn conv_in_pool_matches_cpu_at_model_shapes() -> Result<()> {
             )?;
 
             assert_eq!(parts_cuda.len(), widths.len(), "{what}");
-            for (index, (cuda, cpu)) in parts_cuda.iter().zip(&parts_cpu).enumerate() {
-                compare(
-                    &format!("{what} part {index}"),
-                    cuda,
-                    cpu,
-                    output_tol(dtype),
-                )?;
-            }
+            compare_parts(&what, &parts_cuda, &parts_cpu, output_tol(dtype))?;
             identical(&format!("{what} pool"), &pool_gpu, &pool_cpu)?;
         }
     }

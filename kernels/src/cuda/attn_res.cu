@@ -12,7 +12,7 @@ namespace berrylm::attn_res {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxSources = 32;  // must match MAX_ATTN_RES_SOURCES in src/cuda/mod.rs
+constexpr int kMaxSources = 32;  // must match MAX_ATTN_RES_SOURCES in src/cuda/attn_res.rs
 
 struct Sources {
     const void* ptr[kMaxSources];

@@ -2,204 +2,64 @@
 //!
 //! The kernels live in `src/cuda/*.cu`; `build.rs` compiles them with nvcc
 //! into the static library `libberrylmkernels.a`, whose C symbols are all
-//! prefixed `berrylm_`. This module binds them and moves candle tensors in and
-//! out: inputs are made contiguous, the small parameter tensors are widened to
-//! `f32` (exact), outputs are allocated uninitialised on the same device, and
+//! prefixed `berrylm_`. The bindings live one file per operation, mirroring
+//! `src/{op}.rs`; this module holds what they share, [`Launch`]: inputs are
+//! made contiguous, the small parameter tensors are widened to `f32`
+//! (exact), outputs are allocated uninitialised on the same device, and
 //! every kernel is launched on candle's stream of that device, so the order
 //! with candle's own work is preserved without synchronisation.
+//!
+//! A binding reads: check the CUDA-only limits, declare the inputs and
+//! outputs on a [`Launch`], and [`Launch::run`] a closure that makes the FFI
+//! call with the typed device addresses [`Args`] hands it.
 
 use std::ffi::{c_char, c_int, c_void, CStr};
+use std::sync::Arc;
 
-use candle_core::backend::BackendDevice;
+use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::cuda_backend::cudarc::driver::{
     sys::CUdeviceptr, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop,
 };
 use candle_core::cuda_backend::CudaStorageSlice;
 use candle_core::op::BackpropOp;
-use candle_core::{CudaDevice, CudaStorage, DType, InplaceOp1, Layout, Shape, Storage, Tensor};
+use candle_core::{
+    CudaDevice, CudaStorage, DType, Device, InplaceOp1, Layout, Shape, Storage, Tensor,
+};
 
-use crate::{invalid_argument, KdaPrefillAlgorithm, KernelError, Result};
+use crate::{invalid_argument, unsupported_device, KernelError, Result};
+
+mod attn_res;
+mod conv;
+mod gate;
+mod gate_mul;
+mod mlp;
+mod moe;
+mod norm;
+mod recurrence;
+mod rope;
+mod route;
+
+pub(crate) use attn_res::attn_res_mix;
+pub(crate) use conv::{causal_conv1d, causal_conv1d_in_pool};
+pub(crate) use gate::{kda_beta, kda_gate};
+pub(crate) use gate_mul::sigmoid_gate_mul;
+pub(crate) use mlp::{add_moe_output, swiglu};
+pub(crate) use moe::{moe_experts, MoeDims};
+pub(crate) use norm::{gated_rms_norm, offset_rms_norm};
+pub(crate) use recurrence::{kda_recurrence, kda_recurrence_in_pool, RecurrenceParams};
+pub(crate) use rope::offset_rms_norm_rope;
+pub(crate) use route::moe_route;
 
 /// Dtype codes understood by the kernels (`berrylm::DTypeCode` in common.cuh).
 const DTYPE_F32: c_int = 0;
 const DTYPE_BF16: c_int = 1;
 const DTYPE_F16: c_int = 2;
 
-/// Values of `berrylm_kda_recurrence`'s `prefill_algorithm` argument
-/// (`berrylm::recurrence::PrefillAlgorithm` in recurrence.cu).
-const PREFILL_SEQUENTIAL: c_int = 0;
-const PREFILL_CHUNKED: c_int = 1;
-
-/// The most sources `attn_res_mix` takes on CUDA (`kMaxSources` in attn_res.cu).
-pub(crate) const MAX_ATTN_RES_SOURCES: usize = 32;
-
-/// The most experts `moe_route` takes on CUDA (`kMaxExperts` in route.cu: one
-/// thread per expert in a block).
-const MAX_MOE_EXPERTS: usize = 512;
-
-#[allow(improper_ctypes)]
 extern "C" {
     fn berrylm_cuda_error_string(code: c_int) -> *const c_char;
-
-    fn berrylm_kda_gate(
-        raw_dtype: c_int,
-        raw: *const c_void,
-        a_log: *const f32,
-        dt_bias: *const f32,
-        out: *mut f32,
-        tokens: i64,
-        width: c_int,
-        head_dim: c_int,
-        has_lower_bound: c_int,
-        lower_bound: f32,
-        stream: *mut c_void,
-    ) -> c_int;
-
-    fn berrylm_kda_beta(
-        b_dtype: c_int,
-        b: *const c_void,
-        out: *mut f32,
-        total: i64,
-        stream: *mut c_void,
-    ) -> c_int;
-
-    fn berrylm_causal_conv1d(
-        x_dtype: c_int,
-        state_dtype: c_int,
-        x: *const c_void,
-        weight: *const f32,
-        state: *const c_void,
-        outs: *const *mut c_void,
-        widths: *const c_int,
-        num_groups: c_int,
-        new_state: *mut c_void,
-        batch: c_int,
-        seq_len: c_int,
-        channels: c_int,
-        kernel_size: c_int,
-        stream: *mut c_void,
-    ) -> c_int;
-
-    fn berrylm_kda_recurrence_max_key_dim() -> c_int;
-
-    fn berrylm_kda_recurrence(
-        qkv_dtype: c_int,
-        q: *const c_void,
-        k: *const c_void,
-        v: *const c_void,
-        g: *const f32,
-        beta: *const f32,
-        state_in: *const f32,
-        out: *mut f32,
-        state_out: *mut f32,
-        batch: c_int,
-        seq_len: c_int,
-        key_heads: c_int,
-        value_heads: c_int,
-        key_dim: c_int,
-        value_dim: c_int,
-        prefill_algorithm: c_int,
-        stream: *mut c_void,
-    ) -> c_int;
-
-    fn berrylm_kda_recurrence_in_pool(
-        qkv_dtype: c_int,
-        q: *const c_void,
-        k: *const c_void,
-        v: *const c_void,
-        g: *const f32,
-        beta: *const f32,
-        pool: *mut f32,
-        slots: *const u32,
-        pool_rows: c_int,
-        out: *mut f32,
-        batch: c_int,
-        seq_len: c_int,
-        key_heads: c_int,
-        value_heads: c_int,
-        key_dim: c_int,
-        value_dim: c_int,
-        prefill_algorithm: c_int,
-        stream: *mut c_void,
-    ) -> c_int;
-
-    fn berrylm_attn_res_mix(
-        src_dtype: c_int,
-        out_dtype: c_int,
-        sources: *const *const c_void,
-        num_sources: c_int,
-        query: *const f32,
-        out: *mut c_void,
-        tokens: i64,
-        hidden: c_int,
-        eps: f32,
-        gated: c_int,
-        strength: f32,
-        stream: *mut c_void,
-    ) -> c_int;
-
-    fn berrylm_gated_rms_norm(
-        x_dtype: c_int,
-        z_dtype: c_int,
-        x: *const c_void,
-        z: *const c_void,
-        weight: *const f32,
-        out: *mut c_void,
-        rows: i64,
-        width: c_int,
-        eps: f32,
-        stream: *mut c_void,
-    ) -> c_int;
-
-    fn berrylm_offset_rms_norm(
-        x_dtype: c_int,
-        x: *const c_void,
-        delta: *const c_void,
-        scale: *const f32,
-        sum_out: *mut c_void,
-        out: *mut c_void,
-        rows: i64,
-        width: c_int,
-        inv_width: f32,
-        eps: f32,
-        stream: *mut c_void,
-    ) -> c_int;
-
-    fn berrylm_swiglu(
-        dtype: c_int,
-        gate_up: *const c_void,
-        out: *mut c_void,
-        rows: i64,
-        intermediate: c_int,
-        stream: *mut c_void,
-    ) -> c_int;
-
-    fn berrylm_add_moe_output(
-        dtype: c_int,
-        residual: *const c_void,
-        routed: *const c_void,
-        shared: *const c_void,
-        gate_logit: *const c_void,
-        out: *mut c_void,
-        rows: i64,
-        hidden: c_int,
-        stream: *mut c_void,
-    ) -> c_int;
-
-    fn berrylm_moe_route(
-        logits_dtype: c_int,
-        logits: *const c_void,
-        weights: *mut f32,
-        ids: *mut u32,
-        rows: i64,
-        experts: c_int,
-        top_k: c_int,
-        renormalize: c_int,
-        weight_dtype: c_int,
-        stream: *mut c_void,
-    ) -> c_int;
 }
 
+/// The kernels' dtype code of `dtype`.
 fn dtype_code(op: &'static str, dtype: DType) -> Result<c_int> {
     match dtype {
         DType::F32 => Ok(DTYPE_F32),
@@ -237,62 +97,272 @@ fn c_size(op: &'static str, arg: &'static str, size: usize) -> Result<c_int> {
     })
 }
 
-/// The CUDA device and its (candle) stream, with the device's context bound
-/// to the calling thread for the runtime-API launches.
+/// An input declared on a [`Launch`].
+#[derive(Clone, Copy)]
+struct In(usize);
+
+/// An output declared on a [`Launch`].
+#[derive(Clone, Copy)]
+struct Out(usize);
+
+/// An input of a launch: a CUDA tensor the kernel reads, and the argument
+/// name that an error about it gives.
+struct Input {
+    name: &'static str,
+    tensor: Tensor,
+}
+
+/// One kernel launch of `op`: the CUDA device and its (candle) stream, with
+/// the device's context bound to the calling thread for the runtime-API
+/// launches; the inputs and the outputs declared so far; and, for the
+/// launches that update a state pool, the pool.
 struct Launch {
+    op: &'static str,
     device: CudaDevice,
-    stream: std::sync::Arc<CudaStream>,
+    stream: Arc<CudaStream>,
+    inputs: Vec<Input>,
+    outputs: Vec<(Shape, CudaStorage)>,
+    pool: Option<Tensor>,
 }
 
 impl Launch {
-    fn new(device: &CudaDevice) -> Result<Self> {
+    /// A launch of `op` on the device of `tensor`, which must be a CUDA
+    /// device.
+    fn new(op: &'static str, tensor: &Tensor) -> Result<Self> {
+        let device = match tensor.device() {
+            Device::Cuda(device) => device,
+            other => return Err(unsupported_device(op, other)),
+        };
         let stream = device.cuda_stream();
         stream
             .context()
             .bind_to_thread()
             .map_err(|e| KernelError::Candle(candle_core::Error::Msg(format!("{e:?}"))))?;
         Ok(Self {
+            op,
             device: device.clone(),
             stream,
+            inputs: Vec::new(),
+            outputs: Vec::new(),
+            pool: None,
         })
     }
 
-    fn raw_stream(&self) -> *mut c_void {
-        self.stream.cu_stream() as *mut c_void
+    /// Declares `tensor` as an input read in its own dtype, made contiguous.
+    fn input(&mut self, name: &'static str, tensor: &Tensor) -> Result<In> {
+        self.push_input(name, tensor.contiguous()?)
     }
 
-    /// Uninitialised device storage for `shape` elements of `dtype`.
-    fn alloc(&self, shape: &Shape, dtype: DType) -> Result<CudaStorage> {
+    /// Declares `tensor` as an input read in `dtype` (converted when it has
+    /// another one), made contiguous.
+    fn input_as(&mut self, name: &'static str, tensor: &Tensor, dtype: DType) -> Result<In> {
+        if tensor.dtype() == dtype {
+            return self.input(name, tensor);
+        }
+        self.push_input(name, tensor.to_dtype(dtype)?.contiguous()?)
+    }
+
+    /// Declares `tensor` as an input read as rows of its last dimension at
+    /// one stride, and returns that stride in elements: the tensor itself
+    /// when its layout has one (see [`row_stride`]), else a contiguous copy
+    /// (whose stride is the row width).
+    fn input_rows(&mut self, name: &'static str, tensor: &Tensor) -> Result<(In, usize)> {
+        if let Some(stride) = row_stride(tensor.layout()) {
+            return Ok((self.push_input(name, tensor.clone())?, stride));
+        }
+        let input = self.input(name, tensor)?;
+        let stride = self.shape(input).dims().last().copied().unwrap_or(1);
+        Ok((input, stride))
+    }
+
+    fn push_input(&mut self, name: &'static str, tensor: Tensor) -> Result<In> {
+        let input = Input { name, tensor };
+        self.reject_in_pool(&input)?;
+        self.inputs.push(input);
+        Ok(In(self.inputs.len() - 1))
+    }
+
+    /// The dtype in which the kernel reads `input`.
+    fn dtype(&self, input: In) -> DType {
+        self.inputs[input.0].tensor.dtype()
+    }
+
+    /// The shape of `input`.
+    fn shape(&self, input: In) -> &Shape {
+        self.inputs[input.0].tensor.shape()
+    }
+
+    /// Declares an output: uninitialised device storage for `shape` elements
+    /// of `dtype`, allocated now.
+    fn output(&mut self, shape: impl Into<Shape>, dtype: DType) -> Result<Out> {
+        let shape = shape.into();
         // SAFETY: every element is written by the kernel before the tensor is
         // read.
-        Ok(unsafe { self.device.alloc_uninit(shape, dtype)? })
+        let storage = unsafe { self.device.alloc_uninit(&shape, dtype)? };
+        self.outputs.push((shape, storage));
+        Ok(Out(self.outputs.len() - 1))
+    }
+
+    /// Declares `pool` as the tensor the kernel updates in place (see
+    /// [`Launch::run`]; [`Args::pool`] is its address). Fails, naming the
+    /// argument, if an input shares its storage with `pool`: the launch
+    /// takes the pool's write lock while it holds the inputs' read locks,
+    /// which such an input would deadlock (and the kernel's writes would
+    /// race with its reads).
+    fn in_pool(&mut self, pool: &Tensor) -> Result<()> {
+        self.pool = Some(pool.clone());
+        self.inputs
+            .iter()
+            .try_for_each(|input| self.reject_in_pool(input))
+    }
+
+    fn reject_in_pool(&self, input: &Input) -> Result<()> {
+        match &self.pool {
+            Some(pool) if storage_address(pool) == storage_address(&input.tensor) => {
+                Err(invalid_argument(
+                    self.op,
+                    input.name,
+                    "shares its storage with `pool`".to_string(),
+                ))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Launches the kernel: takes the inputs' read locks and device
+    /// addresses and the outputs' addresses, calls `call` with them (the FFI
+    /// call, returning the launcher's status) and checks the status. With a
+    /// pool, `call` runs inside the pool's in-place operation (see
+    /// [`launch_in_pool`]). Returns the outputs as tensors.
+    fn run(self, call: impl Fn(&Args) -> Result<c_int>) -> Result<Outputs> {
+        let Self {
+            op,
+            stream,
+            inputs,
+            mut outputs,
+            pool,
+            ..
+        } = self;
+        {
+            let locks = inputs
+                .iter()
+                .map(|input| input.tensor.storage_and_layout())
+                .collect::<Vec<_>>();
+            // Each guard records its read or write on the stream when
+            // dropped, after the call.
+            let mut guards = Vec::with_capacity(inputs.len() + outputs.len());
+            let mut input_addresses = Vec::with_capacity(inputs.len());
+            for ((storage, layout), input) in locks.iter().zip(&inputs) {
+                let (address, guard) = input_ptr(op, storage, layout, &stream)?;
+                input_addresses.push((address, input.tensor.dtype()));
+                guards.push(guard);
+            }
+            let mut output_addresses = Vec::with_capacity(outputs.len());
+            for (_, storage) in &mut outputs {
+                let dtype = storage.dtype();
+                let (address, guard) = output_ptr(storage, &stream)?;
+                output_addresses.push((address, dtype));
+                guards.push(guard);
+            }
+            let args = Args {
+                inputs: &input_addresses,
+                outputs: &output_addresses,
+                pool: None,
+                stream: stream.cu_stream() as *mut c_void,
+            };
+            match &pool {
+                None => check(op, call(&args)?)?,
+                Some(pool) => launch_in_pool(op, pool, &stream, |address, dtype| {
+                    let pool = Some((address, dtype));
+                    check(op, call(&Args { pool, ..args })?)
+                })?,
+            }
+        }
+        Ok(Outputs(
+            outputs
+                .into_iter()
+                .map(|(shape, storage)| {
+                    Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false)
+                })
+                .collect(),
+        ))
     }
 }
 
-/// Wraps freshly written device storage into a tensor of `shape`.
-fn into_tensor(storage: CudaStorage, shape: Shape) -> Tensor {
-    Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false)
+/// What a launcher's pointer argument may address: `c_void` (data in the
+/// dtype whose code the launcher also takes) or one dtype (`f32`, `u32`).
+trait DeviceElem {
+    fn takes(dtype: DType) -> bool;
 }
 
-/// A read lock on a contiguous CUDA tensor's storage.
-struct Input {
-    tensor: Tensor,
+impl DeviceElem for c_void {
+    fn takes(_: DType) -> bool {
+        true
+    }
 }
 
-impl Input {
-    /// `tensor`, made contiguous (and converted to `dtype` when given).
-    fn new(tensor: &Tensor, dtype: Option<DType>) -> Result<Self> {
-        let tensor = match dtype {
-            Some(dtype) if dtype != tensor.dtype() => tensor.to_dtype(dtype)?,
-            _ => tensor.clone(),
-        };
-        Ok(Self {
-            tensor: tensor.contiguous()?,
-        })
+impl DeviceElem for f32 {
+    fn takes(dtype: DType) -> bool {
+        dtype == DType::F32
+    }
+}
+
+impl DeviceElem for u32 {
+    fn takes(dtype: DType) -> bool {
+        dtype == DType::U32
+    }
+}
+
+/// What [`Launch::run`] hands the FFI call: the device addresses of the
+/// inputs, outputs and pool, typed as the launcher's arguments, and the
+/// stream.
+#[derive(Clone, Copy)]
+struct Args<'a> {
+    inputs: &'a [(CUdeviceptr, DType)],
+    outputs: &'a [(CUdeviceptr, DType)],
+    pool: Option<(CUdeviceptr, DType)>,
+    stream: *mut c_void,
+}
+
+impl Args<'_> {
+    /// The address of `input`'s first element.
+    fn input<T: DeviceElem>(&self, input: In) -> *const T {
+        let (address, dtype) = self.inputs[input.0];
+        debug_assert!(T::takes(dtype), "input {} is {dtype:?}", input.0);
+        address as *const T
     }
 
-    fn dtype(&self) -> DType {
-        self.tensor.dtype()
+    /// The address of `output`'s first element.
+    fn output<T: DeviceElem>(&self, output: Out) -> *mut T {
+        let (address, dtype) = self.outputs[output.0];
+        debug_assert!(T::takes(dtype), "output {} is {dtype:?}", output.0);
+        address as *mut T
+    }
+
+    /// The address of the pool's first element (only with a pool).
+    fn pool<T: DeviceElem>(&self) -> *mut T {
+        let (address, dtype) = self.pool.expect("a launch in a pool");
+        debug_assert!(T::takes(dtype), "the pool is {dtype:?}");
+        address as *mut T
+    }
+
+    /// The pool's dtype (only with a pool).
+    fn pool_dtype(&self) -> DType {
+        self.pool.expect("a launch in a pool").1
+    }
+
+    /// Candle's stream of the device, as the launchers take it.
+    fn stream(&self) -> *mut c_void {
+        self.stream
+    }
+}
+
+/// The outputs of a launch, as tensors.
+struct Outputs(Vec<Tensor>);
+
+impl Outputs {
+    fn tensor(&self, output: Out) -> Tensor {
+        self.0[output.0].clone()
     }
 }
 
@@ -311,23 +381,11 @@ fn input_ptr<'a>(
             "expected a CUDA tensor".to_string(),
         ));
     };
-    let (base, guard, elem) = match &storage.slice {
-        CudaStorageSlice::F32(s) => {
-            let (p, g) = s.device_ptr(stream);
-            (p, g, 4)
-        }
-        CudaStorageSlice::BF16(s) => {
-            let (p, g) = s.device_ptr(stream);
-            (p, g, 2)
-        }
-        CudaStorageSlice::F16(s) => {
-            let (p, g) = s.device_ptr(stream);
-            (p, g, 2)
-        }
-        CudaStorageSlice::U32(s) => {
-            let (p, g) = s.device_ptr(stream);
-            (p, g, 4)
-        }
+    let (base, guard) = match &storage.slice {
+        CudaStorageSlice::F32(s) => s.device_ptr(stream),
+        CudaStorageSlice::BF16(s) => s.device_ptr(stream),
+        CudaStorageSlice::F16(s) => s.device_ptr(stream),
+        CudaStorageSlice::U32(s) => s.device_ptr(stream),
         _ => {
             return Err(invalid_argument(
                 op,
@@ -336,7 +394,8 @@ fn input_ptr<'a>(
             ))
         }
     };
-    Ok((base + (layout.start_offset() * elem) as CUdeviceptr, guard))
+    let offset = layout.start_offset() * storage.dtype().size_in_bytes();
+    Ok((base + offset as CUdeviceptr, guard))
 }
 
 /// The device address of freshly allocated output storage; the guard records
@@ -358,352 +417,32 @@ fn output_ptr<'a>(
     })
 }
 
-macro_rules! input_ptrs {
-    ($op:expr, $launch:expr, $( $ptr:ident <- $input:expr ),+ $(,)?) => {
-        $(
-            let (storage, layout) = $input.tensor.storage_and_layout();
-            let $ptr = input_ptr($op, &storage, layout, &$launch.stream)?;
-        )+
-    };
-}
-
-mod rope;
-pub(crate) use rope::{offset_rms_norm_rope, sigmoid_gate_mul};
-mod moe;
-pub(crate) use moe::{moe_experts, MoeDims};
-mod conv_pool;
-pub(crate) use conv_pool::causal_conv1d_in_pool;
-
-fn cuda_device<'a>(op: &'static str, tensor: &'a Tensor) -> Result<&'a CudaDevice> {
-    match tensor.device() {
-        candle_core::Device::Cuda(device) => Ok(device),
-        other => Err(crate::unsupported_device(op, other)),
+/// The distance in elements between consecutive rows of `layout`'s last
+/// dimension, when that dimension is contiguous and the leading dimensions
+/// collapse to rows at one stride of at least the row width (rows that do
+/// not overlap); `None` for any other layout.
+fn row_stride(layout: &Layout) -> Option<usize> {
+    let (&width, leading) = layout.dims().split_last()?;
+    let strides = layout.stride();
+    if width > 1 && strides[leading.len()] != 1 {
+        return None;
     }
-}
-
-/// CUDA `kda_gate`; arguments already validated by the caller.
-pub(crate) fn kda_gate(
-    raw: &Tensor,
-    a_log: &Tensor,
-    dt_bias: &Tensor,
-    tokens: usize,
-    num_heads: usize,
-    head_dim: usize,
-    lower_bound: Option<f32>,
-) -> Result<Tensor> {
-    const OP: &str = "kda_gate";
-    let launch = Launch::new(cuda_device(OP, raw)?)?;
-    let raw = Input::new(raw, None)?;
-    let a_log = Input::new(a_log, Some(DType::F32))?;
-    let dt_bias = Input::new(dt_bias, Some(DType::F32))?;
-    let width = num_heads * head_dim;
-    let shape = Shape::from_dims(&[tokens, num_heads, head_dim]);
-    let mut out = launch.alloc(&shape, DType::F32)?;
-    {
-        input_ptrs!(OP, launch, raw_p <- raw, a_log_p <- a_log, dt_bias_p <- dt_bias);
-        let out_p = output_ptr(&mut out, &launch.stream)?;
-        let (has_lb, lb) = match lower_bound {
-            Some(bound) => (1, bound),
-            None => (0, 0.0),
-        };
-        // SAFETY: the pointers address contiguous device buffers of the sizes
-        // the kernel reads/writes, on the stream passed.
-        let code = unsafe {
-            berrylm_kda_gate(
-                dtype_code(OP, raw.dtype())?,
-                raw_p.0 as *const c_void,
-                a_log_p.0 as *const f32,
-                dt_bias_p.0 as *const f32,
-                out_p.0 as *mut f32,
-                tokens as i64,
-                c_size(OP, "raw", width)?,
-                c_size(OP, "raw", head_dim)?,
-                has_lb,
-                lb,
-                launch.raw_stream(),
-            )
-        };
-        check(OP, code)?;
-    }
-    Ok(into_tensor(out, shape))
-}
-
-/// The outputs of a split causal convolution (`conv.cu`'s output groups):
-/// one uninitialised `[B, T, width]` buffer per group of channels, and the
-/// widths as the launchers take them.
-struct ConvOutputs {
-    shapes: Vec<Shape>,
-    buffers: Vec<CudaStorage>,
-    widths: Vec<c_int>,
-}
-
-impl ConvOutputs {
-    /// Checks the batch against the kernels' grid (`B` is its z dimension)
-    /// and allocates the buffers.
-    fn new(
-        op: &'static str,
-        launch: &Launch,
-        batch: usize,
-        seq_len: usize,
-        widths: &[usize],
-        dtype: DType,
-    ) -> Result<Self> {
-        if batch > 65535 {
-            return Err(invalid_argument(
-                op,
-                "x",
-                format!("batch size {batch} exceeds the CUDA kernel's 65535"),
-            ));
+    let mut row_stride = None;
+    // Rows spanned by one step of the dimension being checked.
+    let mut rows_inside = 1;
+    for (&size, &stride) in leading.iter().zip(strides).rev() {
+        if size == 1 {
+            continue;
         }
-        let shapes = widths
-            .iter()
-            .map(|&width| Shape::from_dims(&[batch, seq_len, width]))
-            .collect::<Vec<_>>();
-        let buffers = shapes
-            .iter()
-            .map(|shape| launch.alloc(shape, dtype))
-            .collect::<Result<Vec<_>>>()?;
-        let widths = widths
-            .iter()
-            .map(|&width| c_size(op, "widths", width))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Self {
-            shapes,
-            buffers,
-            widths,
-        })
-    }
-
-    /// What a launch takes: the buffers' device addresses, the guards that
-    /// record the writes on `stream` when dropped (after the launch), and
-    /// the widths.
-    fn launch_args<'a>(
-        &'a mut self,
-        stream: &'a CudaStream,
-    ) -> Result<(Vec<*mut c_void>, Vec<SyncOnDrop<'a>>, &'a [c_int])> {
-        let mut addresses = Vec::with_capacity(self.buffers.len());
-        let mut guards = Vec::with_capacity(self.buffers.len());
-        for buffer in &mut self.buffers {
-            let (address, guard) = output_ptr(buffer, stream)?;
-            addresses.push(address as *mut c_void);
-            guards.push(guard);
+        match row_stride {
+            None => row_stride = Some(stride),
+            Some(row) if stride == row * rows_inside => {}
+            Some(_) => return None,
         }
-        Ok((addresses, guards, &self.widths))
+        rows_inside *= size;
     }
-
-    fn into_tensors(self) -> Vec<Tensor> {
-        self.buffers
-            .into_iter()
-            .zip(self.shapes)
-            .map(|(buffer, shape)| into_tensor(buffer, shape))
-            .collect()
-    }
-}
-
-/// CUDA `causal_conv1d`; arguments already validated by the caller.
-pub(crate) fn causal_conv1d(
-    x: &Tensor,
-    weight: &Tensor,
-    state: &Tensor,
-    widths: &[usize],
-    batch: usize,
-    seq_len: usize,
-    kernel_size: usize,
-) -> Result<(Vec<Tensor>, Tensor)> {
-    const OP: &str = "causal_conv1d";
-    let launch = Launch::new(cuda_device(OP, x)?)?;
-    let x = Input::new(x, None)?;
-    let weight = Input::new(weight, Some(DType::F32))?;
-    let state = Input::new(state, None)?;
-    let mut outs = ConvOutputs::new(OP, &launch, batch, seq_len, widths, x.dtype())?;
-    let channels = widths.iter().sum();
-    let state_shape = Shape::from_dims(&[batch, channels, kernel_size]);
-    let mut new_state = launch.alloc(&state_shape, state.dtype())?;
-    {
-        input_ptrs!(OP, launch, x_p <- x, weight_p <- weight, state_p <- state);
-        let (out_addresses, _out_guards, out_widths) = outs.launch_args(&launch.stream)?;
-        let new_state_p = output_ptr(&mut new_state, &launch.stream)?;
-        // SAFETY: as in `kda_gate`.
-        let code = unsafe {
-            berrylm_causal_conv1d(
-                dtype_code(OP, x.dtype())?,
-                dtype_code(OP, state.dtype())?,
-                x_p.0 as *const c_void,
-                weight_p.0 as *const f32,
-                state_p.0 as *const c_void,
-                out_addresses.as_ptr(),
-                out_widths.as_ptr(),
-                c_size(OP, "widths", out_widths.len())?,
-                new_state_p.0 as *mut c_void,
-                c_size(OP, "x", batch)?,
-                c_size(OP, "x", seq_len)?,
-                c_size(OP, "x", channels)?,
-                c_size(OP, "weight", kernel_size)?,
-                launch.raw_stream(),
-            )
-        };
-        check(OP, code)?;
-    }
-    Ok((outs.into_tensors(), into_tensor(new_state, state_shape)))
-}
-
-/// CUDA `kda_beta`; the dtype already validated by the caller.
-pub(crate) fn kda_beta(b: &Tensor) -> Result<Tensor> {
-    const OP: &str = "kda_beta";
-    let launch = Launch::new(cuda_device(OP, b)?)?;
-    let b = Input::new(b, None)?;
-    let shape = b.tensor.shape().clone();
-    let mut out = launch.alloc(&shape, DType::F32)?;
-    {
-        input_ptrs!(OP, launch, b_p <- b);
-        let out_p = output_ptr(&mut out, &launch.stream)?;
-        // SAFETY: as in `kda_gate`.
-        let code = unsafe {
-            berrylm_kda_beta(
-                dtype_code(OP, b.dtype())?,
-                b_p.0 as *const c_void,
-                out_p.0 as *mut f32,
-                shape.elem_count() as i64,
-                launch.raw_stream(),
-            )
-        };
-        check(OP, code)?;
-    }
-    Ok(into_tensor(out, shape))
-}
-
-/// Sizes and prefill algorithm of one `kda_recurrence_with` call.
-pub(crate) struct RecurrenceParams {
-    /// Applied by the kernel launcher to calls with `T > 1` (see
-    /// `berrylm_kda_recurrence` in recurrence.cu).
-    pub algorithm: KdaPrefillAlgorithm,
-    pub batch: usize,
-    pub seq_len: usize,
-    pub key_heads: usize,
-    pub value_heads: usize,
-    pub key_dim: usize,
-    pub value_dim: usize,
-}
-
-/// CUDA `kda_recurrence_with`; arguments already validated by the caller.
-pub(crate) fn kda_recurrence(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    g: &Tensor,
-    beta: &Tensor,
-    state: &Tensor,
-    params: &RecurrenceParams,
-) -> Result<(Tensor, Tensor)> {
-    const OP: &str = "kda_recurrence";
-    let RecurrenceParams {
-        batch,
-        seq_len,
-        key_heads,
-        value_heads,
-        key_dim,
-        value_dim,
-        ..
-    } = *params;
-    let prefill_algorithm = check_recurrence_limits(OP, params)?;
-    let launch = Launch::new(cuda_device(OP, q)?)?;
-    let (qkv_dtype, [q, k, v, g, beta]) = recurrence_inputs(q, k, v, g, beta)?;
-    let state = Input::new(state, Some(DType::F32))?;
-    let out_shape = Shape::from_dims(&[batch, seq_len, value_heads, value_dim]);
-    let state_shape = Shape::from_dims(&[batch, value_heads, key_dim, value_dim]);
-    let mut out = launch.alloc(&out_shape, DType::F32)?;
-    let mut new_state = launch.alloc(&state_shape, DType::F32)?;
-    {
-        input_ptrs!(OP, launch,
-            q_p <- q, k_p <- k, v_p <- v, g_p <- g, beta_p <- beta, state_p <- state);
-        let out_p = output_ptr(&mut out, &launch.stream)?;
-        let new_state_p = output_ptr(&mut new_state, &launch.stream)?;
-        // SAFETY: as in `kda_gate`.
-        let code = unsafe {
-            berrylm_kda_recurrence(
-                dtype_code(OP, qkv_dtype)?,
-                q_p.0 as *const c_void,
-                k_p.0 as *const c_void,
-                v_p.0 as *const c_void,
-                g_p.0 as *const f32,
-                beta_p.0 as *const f32,
-                state_p.0 as *const f32,
-                out_p.0 as *mut f32,
-                new_state_p.0 as *mut f32,
-                c_size(OP, "q", batch)?,
-                c_size(OP, "q", seq_len)?,
-                c_size(OP, "q", key_heads)?,
-                c_size(OP, "v", value_heads)?,
-                c_size(OP, "q", key_dim)?,
-                c_size(OP, "v", value_dim)?,
-                prefill_algorithm,
-                launch.raw_stream(),
-            )
-        };
-        check(OP, code)?;
-    }
-    Ok((
-        into_tensor(out, out_shape),
-        into_tensor(new_state, state_shape),
-    ))
-}
-
-/// Fails unless the sizes fit the recurrence kernels; returns the
-/// `prefill_algorithm` argument of the launchers.
-fn check_recurrence_limits(op: &'static str, params: &RecurrenceParams) -> Result<c_int> {
-    let RecurrenceParams {
-        algorithm,
-        batch,
-        value_heads,
-        key_dim,
-        ..
-    } = *params;
-    // SAFETY: a plain query of a constant.
-    let max_key_dim = unsafe { berrylm_kda_recurrence_max_key_dim() } as usize;
-    if key_dim > max_key_dim {
-        return Err(invalid_argument(
-            op,
-            "q",
-            format!("key dim {key_dim} exceeds the CUDA kernel's maximum {max_key_dim}"),
-        ));
-    }
-    if batch > 65535 || value_heads > 65535 {
-        return Err(invalid_argument(
-            op,
-            "v",
-            format!("batch {batch} or value heads {value_heads} exceed the CUDA kernel's 65535"),
-        ));
-    }
-    Ok(match algorithm {
-        KdaPrefillAlgorithm::Sequential => PREFILL_SEQUENTIAL,
-        KdaPrefillAlgorithm::Chunked => PREFILL_CHUNKED,
-    })
-}
-
-/// The token inputs of the recurrence as the kernels read them: q, k and v
-/// in one dtype (mixed dtypes widened to f32, exact), g and beta in f32.
-fn recurrence_inputs(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    g: &Tensor,
-    beta: &Tensor,
-) -> Result<(DType, [Input; 5])> {
-    let qkv_dtype = if q.dtype() == k.dtype() && q.dtype() == v.dtype() {
-        q.dtype()
-    } else {
-        DType::F32
-    };
-    Ok((
-        qkv_dtype,
-        [
-            Input::new(q, Some(qkv_dtype))?,
-            Input::new(k, Some(qkv_dtype))?,
-            Input::new(v, Some(qkv_dtype))?,
-            Input::new(g, Some(DType::F32))?,
-            Input::new(beta, Some(DType::F32))?,
-        ],
-    ))
+    let row_stride = row_stride.unwrap_or(width);
+    (row_stride >= width).then_some(row_stride)
 }
 
 /// The storage behind `tensor` (its address identifies the storage, which
@@ -711,30 +450,6 @@ fn recurrence_inputs(
 fn storage_address(tensor: &Tensor) -> *const Storage {
     let (storage, _) = tensor.storage_and_layout();
     &*storage as *const Storage
-}
-
-/// Fails, naming the argument, if one of `inputs` shares its storage with
-/// `pool`: the in-place launches take the pool's write lock while they hold
-/// the inputs' read locks, which such an input would deadlock (and the
-/// kernel's writes would race with its reads). Call before taking the
-/// inputs' locks.
-fn reject_inputs_in_pool(
-    op: &'static str,
-    pool: &Tensor,
-    inputs: &[(&'static str, &Input)],
-) -> Result<()> {
-    let pool_storage = storage_address(pool);
-    match inputs
-        .iter()
-        .find(|(_, input)| storage_address(&input.tensor) == pool_storage)
-    {
-        Some((arg, _)) => Err(invalid_argument(
-            op,
-            arg,
-            "shares its storage with `pool`".to_string(),
-        )),
-        None => Ok(()),
-    }
 }
 
 /// Runs `launch` with the device address of `pool`'s first element and the
@@ -773,428 +488,14 @@ impl<F: Fn(CUdeviceptr, DType) -> Result<()>> InplaceOp1 for PoolWrite<'_, F> {
     }
 
     fn cuda_fwd(&self, storage: &mut CudaStorage, layout: &Layout) -> candle_core::Result<()> {
-        let (base, _guard, dtype) = match &mut storage.slice {
-            CudaStorageSlice::F32(slice) => {
-                let (base, guard) = slice.device_ptr_mut(self.stream);
-                (base, guard, DType::F32)
-            }
-            CudaStorageSlice::BF16(slice) => {
-                let (base, guard) = slice.device_ptr_mut(self.stream);
-                (base, guard, DType::BF16)
-            }
-            CudaStorageSlice::F16(slice) => {
-                let (base, guard) = slice.device_ptr_mut(self.stream);
-                (base, guard, DType::F16)
-            }
+        let dtype = storage.dtype();
+        let (base, _guard) = match &mut storage.slice {
+            CudaStorageSlice::F32(slice) => slice.device_ptr_mut(self.stream),
+            CudaStorageSlice::BF16(slice) => slice.device_ptr_mut(self.stream),
+            CudaStorageSlice::F16(slice) => slice.device_ptr_mut(self.stream),
             _ => candle_core::bail!("{}: the pool's dtype is not f32, bf16 or f16", self.op),
         };
         let address = base + (layout.start_offset() * dtype.size_in_bytes()) as CUdeviceptr;
         (self.launch)(address, dtype).map_err(Into::into)
     }
-}
-
-/// CUDA `kda_recurrence_in_pool`; arguments already validated by the caller
-/// (`pool` f32, contiguous, `[pool_rows, Hv, dk, dv]`; `slots` u32 `[B]`).
-#[allow(clippy::too_many_arguments)] // the public function's arguments
-pub(crate) fn kda_recurrence_in_pool(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    g: &Tensor,
-    beta: &Tensor,
-    pool: &Tensor,
-    slots: &Tensor,
-    pool_rows: usize,
-    params: &RecurrenceParams,
-) -> Result<Tensor> {
-    const OP: &str = "kda_recurrence_in_pool";
-    let RecurrenceParams {
-        batch,
-        seq_len,
-        key_heads,
-        value_heads,
-        key_dim,
-        value_dim,
-        ..
-    } = *params;
-    let prefill_algorithm = check_recurrence_limits(OP, params)?;
-    let launch = Launch::new(cuda_device(OP, q)?)?;
-    let (qkv_dtype, [q, k, v, g, beta]) = recurrence_inputs(q, k, v, g, beta)?;
-    let slots = Input::new(slots, None)?;
-    reject_inputs_in_pool(
-        OP,
-        pool,
-        &[
-            ("q", &q),
-            ("k", &k),
-            ("v", &v),
-            ("g", &g),
-            ("beta", &beta),
-            ("slots", &slots),
-        ],
-    )?;
-    let out_shape = Shape::from_dims(&[batch, seq_len, value_heads, value_dim]);
-    let mut out = launch.alloc(&out_shape, DType::F32)?;
-    let qkv_dtype = dtype_code(OP, qkv_dtype)?;
-    let pool_rows = c_size(OP, "pool", pool_rows)?;
-    let sizes = [
-        c_size(OP, "q", batch)?,
-        c_size(OP, "q", seq_len)?,
-        c_size(OP, "q", key_heads)?,
-        c_size(OP, "v", value_heads)?,
-        c_size(OP, "q", key_dim)?,
-        c_size(OP, "v", value_dim)?,
-    ];
-    {
-        input_ptrs!(OP, launch,
-            q_p <- q, k_p <- k, v_p <- v, g_p <- g, beta_p <- beta, slots_p <- slots);
-        let out_p = output_ptr(&mut out, &launch.stream)?;
-        launch_in_pool(OP, pool, &launch.stream, |pool, pool_dtype| {
-            if pool_dtype != DType::F32 {
-                return Err(invalid_argument(
-                    OP,
-                    "pool",
-                    format!("dtype {pool_dtype:?}, expected f32"),
-                ));
-            }
-            let [batch, seq_len, key_heads, value_heads, key_dim, value_dim] = sizes;
-            // SAFETY: as in `kda_gate`; the pool is `pool_rows` contiguous rows
-            // of `Hv * dk * dv` f32 values from `pool`, and the kernels touch
-            // only rows `slots[b] < pool_rows`.
-            let code = unsafe {
-                berrylm_kda_recurrence_in_pool(
-                    qkv_dtype,
-                    q_p.0 as *const c_void,
-                    k_p.0 as *const c_void,
-                    v_p.0 as *const c_void,
-                    g_p.0 as *const f32,
-                    beta_p.0 as *const f32,
-                    pool as *mut f32,
-                    slots_p.0 as *const u32,
-                    pool_rows,
-                    out_p.0 as *mut f32,
-                    batch,
-                    seq_len,
-                    key_heads,
-                    value_heads,
-                    key_dim,
-                    value_dim,
-                    prefill_algorithm,
-                    launch.raw_stream(),
-                )
-            };
-            check(OP, code)
-        })?;
-    }
-    Ok(into_tensor(out, out_shape))
-}
-
-/// CUDA `attn_res_mix`; arguments already validated by the caller.
-/// `strength` is `round_x(tanh(g))` for the gated variant.
-pub(crate) fn attn_res_mix(
-    sources: &[Tensor],
-    pseudo_query: &Tensor,
-    strength: Option<f32>,
-    eps: f64,
-    tokens: usize,
-    hidden: usize,
-) -> Result<Tensor> {
-    const OP: &str = "attn_res_mix";
-    let current = &sources[sources.len() - 1];
-    if sources.len() > MAX_ATTN_RES_SOURCES {
-        return Err(invalid_argument(
-            OP,
-            "sources",
-            format!(
-                "{} sources exceed the CUDA kernel's maximum {MAX_ATTN_RES_SOURCES}",
-                sources.len()
-            ),
-        ));
-    }
-    let launch = Launch::new(cuda_device(OP, current)?)?;
-    let out_dtype = current.dtype();
-    // Sources of mixed dtypes are all widened to f32 (exact).
-    let src_dtype = if sources.iter().all(|s| s.dtype() == out_dtype) {
-        out_dtype
-    } else {
-        DType::F32
-    };
-    let inputs = sources
-        .iter()
-        .map(|s| Input::new(s, Some(src_dtype)))
-        .collect::<Result<Vec<_>>>()?;
-    let query = Input::new(pseudo_query, Some(DType::F32))?;
-    let shape = Shape::from_dims(&[tokens, hidden]);
-    let mut out = launch.alloc(&shape, out_dtype)?;
-    {
-        let locks = inputs
-            .iter()
-            .map(|input| input.tensor.storage_and_layout())
-            .collect::<Vec<_>>();
-        let source_ptrs = locks
-            .iter()
-            .map(|(storage, layout)| input_ptr(OP, storage, layout, &launch.stream))
-            .collect::<Result<Vec<_>>>()?;
-        let addresses = source_ptrs
-            .iter()
-            .map(|(address, _)| *address as *const c_void)
-            .collect::<Vec<_>>();
-        input_ptrs!(OP, launch, query_p <- query);
-        let out_p = output_ptr(&mut out, &launch.stream)?;
-        // SAFETY: as in `kda_gate`; `addresses` lives across the call.
-        let code = unsafe {
-            berrylm_attn_res_mix(
-                dtype_code(OP, src_dtype)?,
-                dtype_code(OP, out_dtype)?,
-                addresses.as_ptr(),
-                addresses.len() as c_int,
-                query_p.0 as *const f32,
-                out_p.0 as *mut c_void,
-                tokens as i64,
-                c_size(OP, "sources", hidden)?,
-                eps as f32,
-                c_int::from(strength.is_some()),
-                strength.unwrap_or(0.0),
-                launch.raw_stream(),
-            )
-        };
-        check(OP, code)?;
-    }
-    Ok(into_tensor(out, shape))
-}
-
-/// CUDA `gated_rms_norm`; arguments already validated by the caller.
-pub(crate) fn gated_rms_norm(
-    x: &Tensor,
-    z: &Tensor,
-    weight: &Tensor,
-    eps: f64,
-    rows: usize,
-    width: usize,
-) -> Result<Tensor> {
-    const OP: &str = "gated_rms_norm";
-    let launch = Launch::new(cuda_device(OP, x)?)?;
-    let x = Input::new(x, None)?;
-    // z is read in its own dtype when it matches x, else widened to f32.
-    let z_dtype = if z.dtype() == x.dtype() {
-        x.dtype()
-    } else {
-        DType::F32
-    };
-    let z = Input::new(z, Some(z_dtype))?;
-    let weight = Input::new(weight, Some(DType::F32))?;
-    let shape = Shape::from_dims(&[rows, width]);
-    let mut out = launch.alloc(&shape, x.dtype())?;
-    {
-        input_ptrs!(OP, launch, x_p <- x, z_p <- z, weight_p <- weight);
-        let out_p = output_ptr(&mut out, &launch.stream)?;
-        // SAFETY: as in `kda_gate`.
-        let code = unsafe {
-            berrylm_gated_rms_norm(
-                dtype_code(OP, x.dtype())?,
-                dtype_code(OP, z_dtype)?,
-                x_p.0 as *const c_void,
-                z_p.0 as *const c_void,
-                weight_p.0 as *const f32,
-                out_p.0 as *mut c_void,
-                rows as i64,
-                c_size(OP, "x", width)?,
-                eps as f32,
-                launch.raw_stream(),
-            )
-        };
-        check(OP, code)?;
-    }
-    Ok(into_tensor(out, shape))
-}
-
-/// CUDA `offset_rms_norm` and `add_offset_rms_norm`; arguments already
-/// validated by the caller (`x` has a positive last dimension, `scale` is
-/// `f32`, `delta` has the shape and dtype of `x`). Returns the normed rows
-/// and, with `delta`, the sums `x + delta` they were computed from.
-pub(crate) fn offset_rms_norm(
-    x: &Tensor,
-    delta: Option<&Tensor>,
-    scale: &Tensor,
-    eps: f64,
-) -> Result<(Tensor, Option<Tensor>)> {
-    const OP: &str = "offset_rms_norm";
-    let width = x.dim(candle_core::D::Minus1)?;
-    let launch = Launch::new(cuda_device(OP, x)?)?;
-    let x = Input::new(x, None)?;
-    let delta = delta.map(|delta| Input::new(delta, None)).transpose()?;
-    let scale = Input::new(scale, Some(DType::F32))?;
-    let shape = x.tensor.shape().clone();
-    let rows = shape.elem_count() / width;
-    // What candle's `mean_keepdim` multiplies the sum by, and the `eps` its
-    // `+ eps` adds, both rounded to f32 as candle rounds them.
-    let inv_width = (1.0 / width as f64) as f32;
-    let mut out = launch.alloc(&shape, x.dtype())?;
-    let mut sum = delta
-        .as_ref()
-        .map(|_| launch.alloc(&shape, x.dtype()))
-        .transpose()?;
-    {
-        input_ptrs!(OP, launch, x_p <- x, scale_p <- scale);
-        let delta_lock = delta
-            .as_ref()
-            .map(|delta| delta.tensor.storage_and_layout());
-        let delta_p = delta_lock
-            .as_ref()
-            .map(|(storage, layout)| input_ptr(OP, storage, layout, &launch.stream))
-            .transpose()?;
-        let out_p = output_ptr(&mut out, &launch.stream)?;
-        let sum_p = sum
-            .as_mut()
-            .map(|sum| output_ptr(sum, &launch.stream))
-            .transpose()?;
-        // SAFETY: as in `kda_gate`; `delta` and `sum_out` are null or
-        // buffers of the size of `x`.
-        let code = unsafe {
-            berrylm_offset_rms_norm(
-                dtype_code(OP, x.dtype())?,
-                x_p.0 as *const c_void,
-                delta_p
-                    .as_ref()
-                    .map_or(std::ptr::null(), |p| p.0 as *const c_void),
-                scale_p.0 as *const f32,
-                sum_p
-                    .as_ref()
-                    .map_or(std::ptr::null_mut(), |p| p.0 as *mut c_void),
-                out_p.0 as *mut c_void,
-                rows as i64,
-                c_size(OP, "x", width)?,
-                inv_width,
-                eps as f32,
-                launch.raw_stream(),
-            )
-        };
-        check(OP, code)?;
-    }
-    Ok((
-        into_tensor(out, shape.clone()),
-        sum.map(|sum| into_tensor(sum, shape)),
-    ))
-}
-
-/// CUDA `moe_route`; arguments already validated by the caller.
-pub(crate) fn moe_route(
-    router_logits: &Tensor,
-    rows: usize,
-    experts: usize,
-    top_k: usize,
-    renormalize: bool,
-    weight_dtype: DType,
-) -> Result<(Tensor, Tensor)> {
-    const OP: &str = "moe_route";
-    if experts > MAX_MOE_EXPERTS {
-        return Err(invalid_argument(
-            OP,
-            "router_logits",
-            format!("{experts} experts exceed the CUDA kernel's maximum {MAX_MOE_EXPERTS}"),
-        ));
-    }
-    if rows > i32::MAX as usize {
-        return Err(invalid_argument(
-            OP,
-            "router_logits",
-            format!("{rows} rows exceed the CUDA kernel's maximum {}", i32::MAX),
-        ));
-    }
-    let launch = Launch::new(cuda_device(OP, router_logits)?)?;
-    let logits = Input::new(router_logits, None)?;
-    let shape = Shape::from_dims(&[rows, top_k]);
-    let mut weights = launch.alloc(&shape, DType::F32)?;
-    let mut ids = launch.alloc(&shape, DType::U32)?;
-    {
-        input_ptrs!(OP, launch, logits_p <- logits);
-        let weights_p = output_ptr(&mut weights, &launch.stream)?;
-        let ids_p = output_ptr(&mut ids, &launch.stream)?;
-        // SAFETY: as in `kda_gate`.
-        let code = unsafe {
-            berrylm_moe_route(
-                dtype_code(OP, logits.dtype())?,
-                logits_p.0 as *const c_void,
-                weights_p.0 as *mut f32,
-                ids_p.0 as *mut u32,
-                rows as i64,
-                c_size(OP, "router_logits", experts)?,
-                c_size(OP, "top_k", top_k)?,
-                c_int::from(renormalize),
-                dtype_code(OP, weight_dtype)?,
-                launch.raw_stream(),
-            )
-        };
-        check(OP, code)?;
-    }
-    Ok((into_tensor(weights, shape.clone()), into_tensor(ids, shape)))
-}
-
-/// CUDA `swiglu`; arguments already validated by the caller (`out_dims` is
-/// the shape of `gate_up` with its last dimension `intermediate`).
-pub(crate) fn swiglu(gate_up: &Tensor, intermediate: usize, out_dims: &[usize]) -> Result<Tensor> {
-    const OP: &str = "swiglu";
-    let launch = Launch::new(cuda_device(OP, gate_up)?)?;
-    let gate_up = Input::new(gate_up, None)?;
-    let shape = Shape::from_dims(out_dims);
-    let rows = shape.elem_count() / intermediate;
-    let mut out = launch.alloc(&shape, gate_up.dtype())?;
-    {
-        input_ptrs!(OP, launch, gate_up_p <- gate_up);
-        let out_p = output_ptr(&mut out, &launch.stream)?;
-        // SAFETY: as in `kda_gate`.
-        let code = unsafe {
-            berrylm_swiglu(
-                dtype_code(OP, gate_up.dtype())?,
-                gate_up_p.0 as *const c_void,
-                out_p.0 as *mut c_void,
-                rows as i64,
-                c_size(OP, "gate_up", intermediate)?,
-                launch.raw_stream(),
-            )
-        };
-        check(OP, code)?;
-    }
-    Ok(into_tensor(out, shape))
-}
-
-/// CUDA `add_moe_output`; arguments already validated by the caller (all
-/// four of one dtype, `[N, hidden]` and `[N, 1]`).
-pub(crate) fn add_moe_output(
-    residual: &Tensor,
-    routed: &Tensor,
-    shared: &Tensor,
-    gate_logit: &Tensor,
-    hidden: usize,
-) -> Result<Tensor> {
-    const OP: &str = "add_moe_output";
-    let launch = Launch::new(cuda_device(OP, residual)?)?;
-    let residual = Input::new(residual, None)?;
-    let routed = Input::new(routed, None)?;
-    let shared = Input::new(shared, None)?;
-    let gate_logit = Input::new(gate_logit, None)?;
-    let shape = residual.tensor.shape().clone();
-    let rows = shape.elem_count() / hidden.max(1);
-    let mut out = launch.alloc(&shape, residual.dtype())?;
-    {
-        input_ptrs!(OP, launch, residual_p <- residual, routed_p <- routed,
-                    shared_p <- shared, gate_logit_p <- gate_logit);
-        let out_p = output_ptr(&mut out, &launch.stream)?;
-        // SAFETY: as in `kda_gate`.
-        let code = unsafe {
-            berrylm_add_moe_output(
-                dtype_code(OP, residual.dtype())?,
-                residual_p.0 as *const c_void,
-                routed_p.0 as *const c_void,
-                shared_p.0 as *const c_void,
-                gate_logit_p.0 as *const c_void,
-                out_p.0 as *mut c_void,
-                rows as i64,
-                c_size(OP, "residual", hidden)?,
-                launch.raw_stream(),
-            )
-        };
-        check(OP, code)?;
-    }
-    Ok(into_tensor(out, shape))
 }

@@ -28,7 +28,7 @@ constexpr int kWarps = kThreads / 32;
 // many small blocks keep more of those reads in flight than fewer big ones.
 constexpr int kRowsPerBlock = kWarps;
 constexpr int kTokens = 8;
-// Must match MAX_MOE_ROUTED_ROWS in src/cuda/moe.rs.
+// At least MOE_KERNEL_MAX_ROUTED_ROWS in src/cuda/moe.rs (the rows it sends here).
 constexpr int kMaxRouted = 4096;
 
 template <typename T, int VEC>
@@ -189,11 +189,14 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // y[n, i]: the token's terms round_x(w * out_e) added in increasing expert id,
-// each addition rounded. Ids at or above `experts` contribute nothing.
+// each addition rounded. Ids at or above `experts` contribute nothing. The
+// routed row r = n * top_k + s of `expert_out` is row `rows[r]` when `rows`
+// is given (outputs grouped by expert), else row r.
 template <typename T>
 __global__ void combine_kernel(const T* __restrict__ expert_out, const float* __restrict__ weights,
-                               const uint32_t* __restrict__ ids, T* __restrict__ y,
-                               long long total, int top_k, int experts, int hidden) {
+                               const uint32_t* __restrict__ ids, const uint32_t* __restrict__ rows,
+                               T* __restrict__ y, long long total, int top_k, int experts,
+                               int hidden) {
     const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
     for (long long index = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
          index < total; index += stride) {
@@ -211,8 +214,9 @@ __global__ void combine_kernel(const T* __restrict__ expert_out, const float* __
             if (slot < 0) break;
             previous = token_ids[slot];
             const long long routed_row = token * top_k + slot;
+            const long long out_row = rows != nullptr ? rows[routed_row] : routed_row;
             const float term = berrylm::round_to<T>(__fmul_rn(
-                weights[routed_row], berrylm::to_f32(expert_out[routed_row * hidden + i])));
+                weights[routed_row], berrylm::to_f32(expert_out[out_row * hidden + i])));
             acc = berrylm::round_to<T>(__fadd_rn(acc, term));
         }
         y[index] = berrylm::from_f32<T>(acc);
@@ -259,8 +263,21 @@ int launch(const void* x, const float* weights, const uint32_t* ids, const void*
     }
     const long long total = static_cast<long long>(tokens) * hidden;
     const unsigned int blocks = berrylm::elementwise_blocks(total, kThreads);
-    combine_kernel<T><<<blocks, kThreads, 0, stream>>>(ep, weights, ids, static_cast<T*>(y),
-                                                      total, top_k, experts, hidden);
+    combine_kernel<T><<<blocks, kThreads, 0, stream>>>(ep, weights, ids, nullptr,
+                                                      static_cast<T*>(y), total, top_k, experts,
+                                                      hidden);
+    return berrylm::launch_status();
+}
+
+template <typename T>
+int launch_combine(const void* expert_out, const float* weights, const uint32_t* ids,
+                   const uint32_t* rows, void* y, int tokens, int top_k, int experts, int hidden,
+                   cudaStream_t stream) {
+    const long long total = static_cast<long long>(tokens) * hidden;
+    const unsigned int blocks = berrylm::elementwise_blocks(total, kThreads);
+    combine_kernel<T><<<blocks, kThreads, 0, stream>>>(static_cast<const T*>(expert_out), weights,
+                                                      ids, rows, static_cast<T*>(y), total,
+                                                      top_k, experts, hidden);
     return berrylm::launch_status();
 }
 
@@ -283,6 +300,22 @@ extern "C" int berrylm_moe_experts(int dtype, const void* x, const float* weight
     BERRYLM_DISPATCH_DTYPE(dtype, T, {
         return launch<T>(x, weights, ids, gate_up, down, h, expert_out, y, tokens, top_k,
                          experts, hidden, inter, s);
+    });
+    return 0;
+}
+
+// The combine step alone, for expert outputs computed elsewhere (the grouped
+// GEMMs of a prompt): `expert_out` is [tokens * top_k, hidden] with the routed
+// row r at row rows[r]; `y` is [tokens, hidden].
+extern "C" int berrylm_moe_combine(int dtype, const void* expert_out, const float* weights,
+                                   const uint32_t* ids, const uint32_t* rows, void* y, int tokens,
+                                   int top_k, int experts, int hidden, void* stream) {
+    if (tokens == 0 || hidden == 0) return 0;
+    if (top_k <= 0 || experts <= 0) return static_cast<int>(cudaErrorInvalidValue);
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    BERRYLM_DISPATCH_DTYPE(dtype, T, {
+        return launch_combine<T>(expert_out, weights, ids, rows, y, tokens, top_k, experts, hidden,
+                                 s);
     });
     return 0;
 }

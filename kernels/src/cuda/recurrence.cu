@@ -339,7 +339,7 @@ __global__ void __launch_bounds__(kRowsWarps * 32, 2)
 // ------------------------------------------------------------- dispatch
 
 // Values of berrylm_kda_recurrence's `prefill_algorithm` argument. Must match
-// `PREFILL_*` in src/cuda/mod.rs.
+// `PREFILL_*` in src/cuda/recurrence.rs.
 enum PrefillAlgorithm : int { kPrefillSequential = 0, kPrefillChunked = 1 };
 
 template <typename T, int NW, int R, int CH>
@@ -403,7 +403,7 @@ static int check_and_launch(int qkv_dtype, RecurrenceArgs args, int batch, int p
 
 using namespace berrylm::recurrence;
 
-// Largest key dim the kernels support (checked by src/cuda/mod.rs).
+// Largest key dim the kernels support (checked by src/cuda/recurrence.rs).
 extern "C" int berrylm_kda_recurrence_max_key_dim() { return 256; }
 
 // q, k, v share `qkv_dtype`; g, beta and the states are f32.

@@ -27,7 +27,7 @@
 
 namespace berrylm::route {
 
-constexpr int kMaxExperts = 512;  // must match MAX_MOE_EXPERTS in src/cuda/mod.rs
+constexpr int kMaxExperts = 512;  // must match MAX_MOE_EXPERTS in src/cuda/route.rs
 constexpr int kMaxWarps = kMaxExperts / 32;
 // libstdc++'s _S_threshold: introsort leaves ranges of at most this many
 // entries to the final insertion sort.

@@ -1,7 +1,7 @@
 use berrylm_kernels::{
-    attn_res_mix, causal_conv1d, gated_rms_norm, kda_gate, kda_recurrence, kda_recurrence_in_pool,
-    kda_recurrence_with, moe_route, offset_rms_norm, KdaPrefillAlgorithm, KernelError, Result,
-    StatePool,
+    attn_res_mix, causal_conv1d, gated_rms_norm, kda_gate, kda_recurrence,
+    kda_recurrence_in_pool_with, kda_recurrence_with, moe_route, offset_rms_norm,
+    KdaPrefillAlgorithm, KernelError, Result, StatePool,
 };
 use candle_core::{DType, Device, Tensor};
 
@@ -136,12 +136,13 @@ fn kda_recurrence_in_pool_rejects_bad_arguments() -> Result<()> {
             slots,
             host_slots: host,
         };
-        kda_recurrence_in_pool(q, q, &v, &g, &beta, pool)
+        kda_recurrence_in_pool_with(KdaPrefillAlgorithm::for_len(t), q, q, &v, &g, &beta, pool)
     };
     // Token inputs: as kda_recurrence, under this op's name.
     assert_rejects(run(&zeros(&[b, t, 3, dk]), &pool, &slots, &host), op, "v");
     assert_rejects(
-        kda_recurrence_in_pool(
+        kda_recurrence_in_pool_with(
+            KdaPrefillAlgorithm::for_len(t),
             &q,
             &zeros(&[b, t, hk, 4]),
             &v,

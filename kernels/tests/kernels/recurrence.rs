@@ -1,5 +1,5 @@
 use berrylm_kernels::{
-    kda_recurrence, kda_recurrence_in_pool, kda_recurrence_with, KdaPrefillAlgorithm, Result,
+    kda_recurrence, kda_recurrence_in_pool_with, kda_recurrence_with, KdaPrefillAlgorithm, Result,
     StatePool,
 };
 use candle_core::{DType, Device, Tensor};
@@ -359,7 +359,8 @@ fn gather(pool: &Tensor, slots: &[u32]) -> Result<Tensor> {
 }
 
 fn run_in_pool(inputs: &RecurrenceInputs, pool: &Tensor, slots: &[u32]) -> Result<Tensor> {
-    kda_recurrence_in_pool(
+    kda_recurrence_in_pool_with(
+        KdaPrefillAlgorithm::for_len(inputs.q.dims()[1]),
         &inputs.q,
         &inputs.k,
         &inputs.v,
@@ -373,9 +374,10 @@ fn run_in_pool(inputs: &RecurrenceInputs, pool: &Tensor, slots: &[u32]) -> Resul
     )
 }
 
-/// Runs `kda_recurrence_in_pool` on a copy of `pool` and checks it against
-/// `kda_recurrence` on the gathered rows: identical outputs, rows `slots`
-/// identical to the final states, every other row untouched (bit for bit).
+/// Runs `kda_recurrence_in_pool_with` (with the algorithm `kda_recurrence`
+/// picks) on a copy of `pool` and checks it against `kda_recurrence` on the
+/// gathered rows: identical outputs, rows `slots` identical to the final
+/// states, every other row untouched (bit for bit).
 fn check_in_pool(inputs: &RecurrenceInputs, pool: &Tensor, slots: &[u32]) -> Result<()> {
     let state = gather(pool, slots)?;
     let (expected_output, expected_state) = kda_recurrence(

@@ -4,11 +4,11 @@
 //! The routing (fp32 softmax, top-k with `torch.topk`'s order of exact ties,
 //! renormalisation, weights rounded to the activation dtype) is one kernel
 //! (`berrylm_kernels::moe_route`, one launch on CUDA). On CUDA in f16/bf16 the
-//! experts' weights live in the host's fused MoE: a decode step runs
-//! `berrylm_kernels::moe_experts` on them (one call, the reference's rounding
-//! and order of accumulation), a prompt the host's tensor-core kernels (no
-//! host round trip either way); otherwise (the CPU, f32, or sizes those
-//! kernels do not take) the ids and weights are read back once and each
+//! experts' weights live in the host's fused MoE and
+//! `berrylm_kernels::moe_experts` runs on them (the reference's rounding and
+//! order of accumulation: decode steps in its own kernels, prompts as grouped
+//! tensor-core GEMMs); otherwise (the CPU, f32, or sizes the host's fused
+//! layout does not take) the ids and weights are read back once and each
 //! chosen expert runs on its tokens: on the CPU in f32, the exact oracle of
 //! the reference. The router, the shared expert's input projections and its
 //! gate are one stacked projection.
@@ -161,17 +161,14 @@ impl SparseMoe {
         let (weights, ids) =
             berrylm_kernels::moe_route(&router_logits, self.top_k, self.norm_topk_prob, dtype)?;
         let routed_out = match &self.experts {
-            // A decode step runs BerryLM's kernel on the host's weights (one
-            // call, rounded like the reference); prompts run the host's
-            // tensor-core GEMMs.
+            // BerryLM's experts on the host's weights, rounded like the
+            // reference: decode steps in its own kernels, prompts as grouped
+            // GEMMs on the tensor cores.
             Experts::Fused(experts) => match experts.fused_weights() {
-                Some((gate_up, down))
-                    if seq_len == 1
-                        && rows * self.top_k <= berrylm_kernels::MOE_EXPERTS_MAX_ROUTED_ROWS =>
-                {
+                Some((gate_up, down)) => {
                     berrylm_kernels::moe_experts(&flat, &weights, &ids, gate_up, down)?
                 }
-                _ => experts
+                None => experts
                     .forward(&x.contiguous()?, weights, &ids)?
                     .reshape((rows * seq_len, hidden))?,
             },

@@ -1,0 +1,90 @@
+//! Binding of `attn_res.cu`: the block AttnRes mix.
+
+use std::ffi::{c_int, c_void};
+
+use candle_core::{DType, Tensor};
+
+use super::{c_size, dtype_code, Launch};
+use crate::{invalid_argument, Result};
+
+/// The most sources `attn_res_mix` takes on CUDA (`kMaxSources` in attn_res.cu).
+const MAX_ATTN_RES_SOURCES: usize = 32;
+
+extern "C" {
+    fn berrylm_attn_res_mix(
+        src_dtype: c_int,
+        out_dtype: c_int,
+        sources: *const *const c_void,
+        num_sources: c_int,
+        query: *const f32,
+        out: *mut c_void,
+        tokens: i64,
+        hidden: c_int,
+        eps: f32,
+        gated: c_int,
+        strength: f32,
+        stream: *mut c_void,
+    ) -> c_int;
+}
+
+/// CUDA `attn_res_mix`; arguments already validated by the caller.
+/// `strength` is `round_x(tanh(g))` for the gated variant.
+pub(crate) fn attn_res_mix(
+    sources: &[Tensor],
+    pseudo_query: &Tensor,
+    strength: Option<f32>,
+    eps: f64,
+    tokens: usize,
+    hidden: usize,
+) -> Result<Tensor> {
+    const OP: &str = "attn_res_mix";
+    let current = &sources[sources.len() - 1];
+    if sources.len() > MAX_ATTN_RES_SOURCES {
+        return Err(invalid_argument(
+            OP,
+            "sources",
+            format!(
+                "{} sources exceed the CUDA kernel's maximum {MAX_ATTN_RES_SOURCES}",
+                sources.len()
+            ),
+        ));
+    }
+    let mut launch = Launch::new(OP, current)?;
+    let out_dtype = current.dtype();
+    // Sources of mixed dtypes are all widened to f32 (exact).
+    let src_dtype = if sources.iter().all(|s| s.dtype() == out_dtype) {
+        out_dtype
+    } else {
+        DType::F32
+    };
+    let sources = sources
+        .iter()
+        .map(|source| launch.input_as("sources", source, src_dtype))
+        .collect::<Result<Vec<_>>>()?;
+    let query = launch.input_as("pseudo_query", pseudo_query, DType::F32)?;
+    let out = launch.output(&[tokens, hidden], out_dtype)?;
+    let outputs = launch.run(|p| {
+        let addresses = sources
+            .iter()
+            .map(|&source| p.input(source))
+            .collect::<Vec<_>>();
+        // SAFETY: as in `kda_gate`; `addresses` lives across the call.
+        Ok(unsafe {
+            berrylm_attn_res_mix(
+                dtype_code(OP, src_dtype)?,
+                dtype_code(OP, out_dtype)?,
+                addresses.as_ptr(),
+                addresses.len() as c_int,
+                p.input(query),
+                p.output(out),
+                tokens as i64,
+                c_size(OP, "sources", hidden)?,
+                eps as f32,
+                c_int::from(strength.is_some()),
+                strength.unwrap_or(0.0),
+                p.stream(),
+            )
+        })
+    })?;
+    Ok(outputs.tensor(out))
+}

@@ -1,0 +1,100 @@
+//! Bindings of `gate.cu`: the KDA forget gate and write strength.
+
+use std::ffi::{c_int, c_void};
+
+use candle_core::{DType, Tensor};
+
+use super::{c_size, dtype_code, Launch};
+use crate::Result;
+
+extern "C" {
+    fn berrylm_kda_gate(
+        raw_dtype: c_int,
+        raw: *const c_void,
+        a_log: *const f32,
+        dt_bias: *const f32,
+        out: *mut f32,
+        tokens: i64,
+        width: c_int,
+        head_dim: c_int,
+        has_lower_bound: c_int,
+        lower_bound: f32,
+        stream: *mut c_void,
+    ) -> c_int;
+
+    fn berrylm_kda_beta(
+        b_dtype: c_int,
+        b: *const c_void,
+        out: *mut f32,
+        total: i64,
+        stream: *mut c_void,
+    ) -> c_int;
+}
+
+/// CUDA `kda_gate`; arguments already validated by the caller.
+pub(crate) fn kda_gate(
+    raw: &Tensor,
+    a_log: &Tensor,
+    dt_bias: &Tensor,
+    tokens: usize,
+    num_heads: usize,
+    head_dim: usize,
+    lower_bound: Option<f32>,
+) -> Result<Tensor> {
+    const OP: &str = "kda_gate";
+    let mut launch = Launch::new(OP, raw)?;
+    let raw = launch.input("raw", raw)?;
+    let a_log = launch.input_as("a_log", a_log, DType::F32)?;
+    let dt_bias = launch.input_as("dt_bias", dt_bias, DType::F32)?;
+    let raw_dtype = launch.dtype(raw);
+    let out = launch.output(&[tokens, num_heads, head_dim], DType::F32)?;
+    let (has_lb, lb) = match lower_bound {
+        Some(bound) => (1, bound),
+        None => (0, 0.0),
+    };
+    let outputs = launch.run(|p| {
+        // SAFETY (every binding's): `p` addresses contiguous device buffers
+        // of the sizes the kernel reads and writes (derived from the sizes
+        // passed), live until the launch is queued on the stream passed.
+        Ok(unsafe {
+            berrylm_kda_gate(
+                dtype_code(OP, raw_dtype)?,
+                p.input(raw),
+                p.input(a_log),
+                p.input(dt_bias),
+                p.output(out),
+                tokens as i64,
+                c_size(OP, "raw", num_heads * head_dim)?,
+                c_size(OP, "raw", head_dim)?,
+                has_lb,
+                lb,
+                p.stream(),
+            )
+        })
+    })?;
+    Ok(outputs.tensor(out))
+}
+
+/// CUDA `kda_beta`; the dtype already validated by the caller.
+pub(crate) fn kda_beta(b: &Tensor) -> Result<Tensor> {
+    const OP: &str = "kda_beta";
+    let mut launch = Launch::new(OP, b)?;
+    let b = launch.input("b", b)?;
+    let b_dtype = launch.dtype(b);
+    let shape = launch.shape(b).clone();
+    let total = shape.elem_count() as i64;
+    let out = launch.output(shape, DType::F32)?;
+    let outputs = launch.run(|p| {
+        // SAFETY: as in `kda_gate`.
+        Ok(unsafe {
+            berrylm_kda_beta(
+                dtype_code(OP, b_dtype)?,
+                p.input(b),
+                p.output(out),
+                total,
+                p.stream(),
+            )
+        })
+    })?;
+    Ok(outputs.tensor(out))
+}

@@ -1,0 +1,95 @@
+//! Bindings of `mlp.cu`: an expert's SwiGLU and the gated shared expert
+//! added to the residual.
+
+use std::ffi::{c_int, c_void};
+
+use candle_core::Tensor;
+
+use super::{c_size, dtype_code, Launch};
+use crate::Result;
+
+extern "C" {
+    fn berrylm_swiglu(
+        dtype: c_int,
+        gate_up: *const c_void,
+        out: *mut c_void,
+        rows: i64,
+        intermediate: c_int,
+        stream: *mut c_void,
+    ) -> c_int;
+
+    fn berrylm_add_moe_output(
+        dtype: c_int,
+        residual: *const c_void,
+        routed: *const c_void,
+        shared: *const c_void,
+        gate_logit: *const c_void,
+        out: *mut c_void,
+        rows: i64,
+        hidden: c_int,
+        stream: *mut c_void,
+    ) -> c_int;
+}
+
+/// CUDA `swiglu`; arguments already validated by the caller (`out_dims` is
+/// the shape of `gate_up` with its last dimension `intermediate`).
+pub(crate) fn swiglu(gate_up: &Tensor, intermediate: usize, out_dims: &[usize]) -> Result<Tensor> {
+    const OP: &str = "swiglu";
+    let mut launch = Launch::new(OP, gate_up)?;
+    let gate_up = launch.input("gate_up", gate_up)?;
+    let dtype = launch.dtype(gate_up);
+    let out = launch.output(out_dims, dtype)?;
+    let rows = out_dims.iter().product::<usize>() / intermediate;
+    let outputs = launch.run(|p| {
+        // SAFETY: as in `kda_gate`.
+        Ok(unsafe {
+            berrylm_swiglu(
+                dtype_code(OP, dtype)?,
+                p.input(gate_up),
+                p.output(out),
+                rows as i64,
+                c_size(OP, "gate_up", intermediate)?,
+                p.stream(),
+            )
+        })
+    })?;
+    Ok(outputs.tensor(out))
+}
+
+/// CUDA `add_moe_output`; arguments already validated by the caller (all
+/// four of one dtype, `[N, hidden]` and `[N, 1]`).
+pub(crate) fn add_moe_output(
+    residual: &Tensor,
+    routed: &Tensor,
+    shared: &Tensor,
+    gate_logit: &Tensor,
+    hidden: usize,
+) -> Result<Tensor> {
+    const OP: &str = "add_moe_output";
+    let mut launch = Launch::new(OP, residual)?;
+    let residual = launch.input("residual", residual)?;
+    let routed = launch.input("routed", routed)?;
+    let shared = launch.input("shared", shared)?;
+    let gate_logit = launch.input("gate_logit", gate_logit)?;
+    let dtype = launch.dtype(residual);
+    let shape = launch.shape(residual).clone();
+    let rows = shape.elem_count() / hidden.max(1);
+    let out = launch.output(shape, dtype)?;
+    let outputs = launch.run(|p| {
+        // SAFETY: as in `kda_gate`.
+        Ok(unsafe {
+            berrylm_add_moe_output(
+                dtype_code(OP, dtype)?,
+                p.input(residual),
+                p.input(routed),
+                p.input(shared),
+                p.input(gate_logit),
+                p.output(out),
+                rows as i64,
+                c_size(OP, "residual", hidden)?,
+                p.stream(),
+            )
+        })
+    })?;
+    Ok(outputs.tensor(out))
+}

@@ -1,0 +1,128 @@
+//! Bindings of `norm.cu`: the gated RMSNorm and the `(1 + w)` RMSNorm, with
+//! or without the residual add before it.
+
+use std::ffi::{c_int, c_void};
+
+use candle_core::{DType, Tensor};
+
+use super::{c_size, dtype_code, Launch};
+use crate::Result;
+
+extern "C" {
+    fn berrylm_gated_rms_norm(
+        x_dtype: c_int,
+        z_dtype: c_int,
+        x: *const c_void,
+        z: *const c_void,
+        weight: *const f32,
+        out: *mut c_void,
+        rows: i64,
+        width: c_int,
+        eps: f32,
+        stream: *mut c_void,
+    ) -> c_int;
+
+    fn berrylm_offset_rms_norm(
+        x_dtype: c_int,
+        x: *const c_void,
+        delta: *const c_void,
+        scale: *const f32,
+        sum_out: *mut c_void,
+        out: *mut c_void,
+        rows: i64,
+        width: c_int,
+        inv_width: f32,
+        eps: f32,
+        stream: *mut c_void,
+    ) -> c_int;
+}
+
+/// CUDA `gated_rms_norm`; arguments already validated by the caller.
+pub(crate) fn gated_rms_norm(
+    x: &Tensor,
+    z: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+    rows: usize,
+    width: usize,
+) -> Result<Tensor> {
+    const OP: &str = "gated_rms_norm";
+    let mut launch = Launch::new(OP, x)?;
+    let x = launch.input("x", x)?;
+    let x_dtype = launch.dtype(x);
+    // z is read in its own dtype when it matches x, else widened to f32.
+    let z_dtype = if z.dtype() == x_dtype {
+        x_dtype
+    } else {
+        DType::F32
+    };
+    let z = launch.input_as("z", z, z_dtype)?;
+    let weight = launch.input_as("weight", weight, DType::F32)?;
+    let out = launch.output(&[rows, width], x_dtype)?;
+    let outputs = launch.run(|p| {
+        // SAFETY: as in `kda_gate`.
+        Ok(unsafe {
+            berrylm_gated_rms_norm(
+                dtype_code(OP, x_dtype)?,
+                dtype_code(OP, z_dtype)?,
+                p.input(x),
+                p.input(z),
+                p.input(weight),
+                p.output(out),
+                rows as i64,
+                c_size(OP, "x", width)?,
+                eps as f32,
+                p.stream(),
+            )
+        })
+    })?;
+    Ok(outputs.tensor(out))
+}
+
+/// CUDA `offset_rms_norm` and `add_offset_rms_norm`; arguments already
+/// validated by the caller (`x` has a positive last dimension, `scale` is
+/// `f32`, `delta` has the shape and dtype of `x`). Returns the normed rows
+/// and, with `delta`, the sums `x + delta` they were computed from.
+pub(crate) fn offset_rms_norm(
+    x: &Tensor,
+    delta: Option<&Tensor>,
+    scale: &Tensor,
+    eps: f64,
+) -> Result<(Tensor, Option<Tensor>)> {
+    const OP: &str = "offset_rms_norm";
+    let width = x.dim(candle_core::D::Minus1)?;
+    let mut launch = Launch::new(OP, x)?;
+    let x = launch.input("x", x)?;
+    let delta = delta
+        .map(|delta| launch.input("delta", delta))
+        .transpose()?;
+    let scale = launch.input_as("scale", scale, DType::F32)?;
+    let x_dtype = launch.dtype(x);
+    let shape = launch.shape(x).clone();
+    let rows = shape.elem_count() / width;
+    // What candle's `mean_keepdim` multiplies the sum by, and the `eps` its
+    // `+ eps` adds, both rounded to f32 as candle rounds them.
+    let inv_width = (1.0 / width as f64) as f32;
+    let out = launch.output(&shape, x_dtype)?;
+    let sum = delta.map(|_| launch.output(&shape, x_dtype)).transpose()?;
+    let outputs = launch.run(|p| {
+        // SAFETY: as in `kda_gate`; `delta` and `sum_out` are null or
+        // buffers of the size of `x`.
+        Ok(unsafe {
+            berrylm_offset_rms_norm(
+                dtype_code(OP, x_dtype)?,
+                p.input(x),
+                delta.map_or(std::ptr::null(), |delta| p.input(delta)),
+                p.input(scale),
+                sum.map_or(std::ptr::null_mut(), |sum| p.output(sum)),
+                p.output(out),
+                rows as i64,
+                c_size(OP, "x", width)?,
+                inv_width,
+                eps as f32,
+                p.stream(),
+            )
+        })
+    })?;
+    Ok((outputs.tensor(out), sum.map(|sum| outputs.tensor(sum))))
+}

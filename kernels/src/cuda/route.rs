@@ -1,0 +1,76 @@
+//! Binding of `route.cu`: the MoE router.
+
+use std::ffi::{c_int, c_void};
+
+use candle_core::{DType, Tensor};
+
+use super::{c_size, dtype_code, Launch};
+use crate::{invalid_argument, Result};
+
+/// The most experts `moe_route` takes on CUDA (`kMaxExperts` in route.cu: one
+/// thread per expert in a block).
+const MAX_MOE_EXPERTS: usize = 512;
+
+extern "C" {
+    fn berrylm_moe_route(
+        logits_dtype: c_int,
+        logits: *const c_void,
+        weights: *mut f32,
+        ids: *mut u32,
+        rows: i64,
+        experts: c_int,
+        top_k: c_int,
+        renormalize: c_int,
+        weight_dtype: c_int,
+        stream: *mut c_void,
+    ) -> c_int;
+}
+
+/// CUDA `moe_route`; arguments already validated by the caller.
+pub(crate) fn moe_route(
+    router_logits: &Tensor,
+    rows: usize,
+    experts: usize,
+    top_k: usize,
+    renormalize: bool,
+    weight_dtype: DType,
+) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "moe_route";
+    if experts > MAX_MOE_EXPERTS {
+        return Err(invalid_argument(
+            OP,
+            "router_logits",
+            format!("{experts} experts exceed the CUDA kernel's maximum {MAX_MOE_EXPERTS}"),
+        ));
+    }
+    if rows > i32::MAX as usize {
+        return Err(invalid_argument(
+            OP,
+            "router_logits",
+            format!("{rows} rows exceed the CUDA kernel's maximum {}", i32::MAX),
+        ));
+    }
+    let mut launch = Launch::new(OP, router_logits)?;
+    let logits = launch.input("router_logits", router_logits)?;
+    let logits_dtype = launch.dtype(logits);
+    let weights = launch.output(&[rows, top_k], DType::F32)?;
+    let ids = launch.output(&[rows, top_k], DType::U32)?;
+    let outputs = launch.run(|p| {
+        // SAFETY: as in `kda_gate`.
+        Ok(unsafe {
+            berrylm_moe_route(
+                dtype_code(OP, logits_dtype)?,
+                p.input(logits),
+                p.output(weights),
+                p.output(ids),
+                rows as i64,
+                c_size(OP, "router_logits", experts)?,
+                c_size(OP, "top_k", top_k)?,
+                c_int::from(renormalize),
+                dtype_code(OP, weight_dtype)?,
+                p.stream(),
+            )
+        })
+    })?;
+    Ok((outputs.tensor(weights), outputs.tensor(ids)))
+}
