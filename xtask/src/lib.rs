@@ -4,6 +4,7 @@
 pub mod host;
 pub mod parse;
 pub mod seam;
+pub mod series;
 pub mod standalone;
 
 use std::ffi::OsString;

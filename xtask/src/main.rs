@@ -2,42 +2,106 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
 use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
 use xtask::host::{self, Repo};
 use xtask::{cargo, target_dir};
 
-const USAGE: &str = "\
-usage: cargo xtask <command>
+/// The project's commands: preparing the patched mistral.rs host, building it
+/// with the berrylm plugin, testing, serving and installing.
+#[derive(Debug, Parser)]
+#[command(name = "cargo xtask", bin_name = "cargo xtask")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
 
-commands:
-  prepare                         apply the host seam to the pinned mistral.rs sources (.host/)
-  build [--cuda]                  build the host CLI with the berrylm plugin (release); with
-                                  --cuda also stripped standalone executables for the GPU
-                                  machine in <target>-cuda/standalone
-  test                            prepare, build and run every test of the workspace
-  serve [--model DIR] [--port P] [--cuda] [-- HOST_ARGS...]
-                                  build and run `mistralrs serve` on 127.0.0.1 (default model:
-                                  the bundled trained-tiny BerryLM)
-  install [--cuda]                build and install the `mistralrs` binary with berrylm
-  parse [--tools FILE] [--no-thinking] [--stream] < OUTPUT
-                                  print the OpenAI assistant message the server returns for a
-                                  raw BerryLM output (--tools: the request's `tools` JSON array)
-  align --model DIR --golden FILE [--dtype f32|bf16|f16] [--device cpu|cuda] [--json OUT]
-        [--dump OUT]              build, then report how closely berrylm reproduces a golden
-                                  file's reference outputs (docs/alignment.md); `--device cuda`
-                                  builds with CUDA
-  bench [--device cpu|cuda] [--dtype bf16|f32] [--layers N] [--tiny] [--prefill LIST]
-        [--decode LIST] [--json OUT] [...]
-                                  build, then measure prefill/decode throughput, per-kernel
-                                  times and the decode weight-read floor on a random
-                                  BerryLM-OS-shaped model (`bench --help` for every option);
-                                  `--device cuda` builds with CUDA
-";
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Apply the host seam to the pinned mistral.rs sources (.host/)
+    Prepare,
+    /// Build the host CLI with the berrylm plugin (release)
+    Build(BuildOptions),
+    /// Prepare, build and run every test of the workspace
+    Test,
+    /// Build and run `mistralrs serve` on 127.0.0.1
+    Serve(ServeOptions),
+    /// Build and install the `mistralrs` binary with berrylm into $CARGO_HOME/bin
+    Install(BuildOptions),
+    /// Print the OpenAI assistant message the server returns for a raw BerryLM
+    /// output read from stdin
+    Parse(xtask::parse::ParseOptions),
+    /// Build, then report how closely berrylm reproduces a golden file's
+    /// reference outputs (docs/alignment.md)
+    ///
+    /// Every argument goes to `berrylm-align` unchanged (`cargo xtask align
+    /// --help` shows its options): `--model DIR --golden FILE [--dtype
+    /// f32|bf16|f16] [--device cpu|cuda] [--json OUT] [--dump OUT]`. `--device
+    /// cuda` builds with CUDA.
+    #[command(disable_help_flag = true)]
+    Align(ToolArgs),
+    /// Build, then measure prefill/decode throughput, per-kernel times and the
+    /// decode weight-read floor on a random BerryLM-OS-shaped model
+    ///
+    /// Every argument goes to `berrylm-bench` unchanged (`cargo xtask bench
+    /// --help` shows its options): `[--device cpu|cuda] [--dtype bf16|f32]
+    /// [--layers N] [--tiny] [--prefill LIST] [--decode LIST] [--json OUT]
+    /// ...`. `--device cuda` builds with CUDA.
+    #[command(disable_help_flag = true)]
+    Bench(ToolArgs),
+    /// Write the host seam as a series of patches against the pristine host crates
+    Seam(SeamOptions),
+}
+
+#[derive(Debug, Default, clap::Args)]
+struct BuildOptions {
+    /// Build with CUDA; `build --cuda` also writes stripped standalone
+    /// executables for the GPU machine in <target>-cuda/standalone
+    #[arg(long)]
+    cuda: bool,
+}
+
+#[derive(Debug, clap::Args)]
+struct ServeOptions {
+    /// The model folder (default: the bundled trained-tiny BerryLM)
+    #[arg(long, value_name = "DIR")]
+    model: Option<PathBuf>,
+    /// The port to listen on
+    #[arg(long, value_name = "P", default_value_t = 1234)]
+    port: u16,
+    /// Build and serve with CUDA
+    #[arg(long)]
+    cuda: bool,
+    /// Arguments for `mistralrs serve`, after `--`
+    #[arg(last = true, value_name = "HOST_ARGS")]
+    host_args: Vec<String>,
+}
+
+#[derive(Debug, clap::Args)]
+struct ToolArgs {
+    /// The tool's arguments, passed on unchanged
+    #[arg(
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "ARGS"
+    )]
+    args: Vec<String>,
+}
+
+#[derive(Debug, clap::Args)]
+struct SeamOptions {
+    /// Write one unified diff per group of host/seam.toml into DIR
+    /// (0001-<group>.patch, ...), to apply in order with `patch -p1` in a folder
+    /// holding the pristine crates as .host/ does; writes nothing else
+    #[arg(long, value_name = "DIR")]
+    patches: PathBuf,
+}
 
 /// The bundled default model (the trained tiny BerryLM, vendored with the test fixtures).
 const BUNDLED_MODEL: &str = "tests/fixtures/trained-tiny/model";
 
 fn main() -> ExitCode {
-    match run(std::env::args().skip(1).collect()) {
+    let cli = Cli::parse();
+    match run(cli.command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("xtask: error: {error:#}");
@@ -46,15 +110,11 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(args: Vec<String>) -> Result<()> {
-    let (command, rest) = args
-        .split_first()
-        .map_or(("help", &[][..]), |(c, r)| (c.as_str(), r));
+fn run(command: Cmd) -> Result<()> {
     let repo = Repo::locate()?;
     match command {
-        "prepare" => host::prepare(&repo),
-        "build" => {
-            let options = BuildOptions::parse(rest)?;
+        Cmd::Prepare => host::prepare(&repo),
+        Cmd::Build(options) => {
             host::prepare(&repo)?;
             build_workspace(&repo, &options)?;
             if options.cuda {
@@ -62,37 +122,31 @@ fn run(args: Vec<String>) -> Result<()> {
             }
             Ok(())
         }
-        "test" => test(&repo),
-        "serve" => serve(&repo, rest),
-        "install" => install(&repo, &BuildOptions::parse(rest)?),
-        "parse" => xtask::parse::run(&xtask::parse::ParseOptions::parse(rest)?),
-        "align" => run_built_tool(&repo, "berrylm-align", rest),
-        "bench" => run_built_tool(&repo, "berrylm-bench", rest),
-        "help" | "--help" | "-h" => {
-            print!("{USAGE}");
+        Cmd::Test => test(&repo),
+        Cmd::Serve(options) => serve(&repo, options),
+        Cmd::Install(options) => install(&repo, &options),
+        Cmd::Parse(options) => xtask::parse::run(&options),
+        Cmd::Align(tool) => run_built_tool(&repo, "berrylm-align", &tool.args),
+        Cmd::Bench(tool) => run_built_tool(&repo, "berrylm-bench", &tool.args),
+        Cmd::Seam(options) => {
+            let written = xtask::series::write(&repo, &options.patches)?;
+            println!(
+                "xtask: {} patches of the host seam in {}",
+                written.len(),
+                options.patches.display()
+            );
+            for path in written {
+                println!(
+                    "  {}",
+                    path.file_name().unwrap_or_default().to_string_lossy()
+                );
+            }
             Ok(())
         }
-        other => bail!("unknown command `{other}`\n{USAGE}"),
     }
-}
-
-#[derive(Default)]
-struct BuildOptions {
-    cuda: bool,
 }
 
 impl BuildOptions {
-    fn parse(args: &[String]) -> Result<BuildOptions> {
-        let mut options = BuildOptions::default();
-        for arg in args {
-            match arg.as_str() {
-                "--cuda" => options.cuda = true,
-                other => bail!("unexpected argument `{other}`\n{USAGE}"),
-            }
-        }
-        Ok(options)
-    }
-
     /// The one feature set every build and test uses, so the host compiles once.
     /// (Builds also name `--bins --tests`: the same units `cargo test` resolves
     /// features for, so testing after building recompiles nothing.)
@@ -331,25 +385,11 @@ fn test(repo: &Repo) -> Result<()> {
     )
 }
 
-fn serve(repo: &Repo, args: &[String]) -> Result<()> {
-    let mut model = repo.root.join(BUNDLED_MODEL);
-    let mut port = String::from("1234");
-    let mut options = BuildOptions::default();
-    let mut host_args: Vec<String> = Vec::new();
-    let mut iter = args.iter();
-    while let Some(arg) = iter.next() {
-        match arg.as_str() {
-            "--model" => model = PathBuf::from(iter.next().context("--model needs a folder")?),
-            "--port" => port = iter.next().context("--port needs a number")?.clone(),
-            "--cuda" => options.cuda = true,
-            "--" => {
-                host_args.extend(iter.by_ref().cloned());
-            }
-            other => bail!("unexpected argument `{other}`\n{USAGE}"),
-        }
-    }
-    port.parse::<u16>()
-        .with_context(|| format!("--port {port} is not a port number"))?;
+fn serve(repo: &Repo, serve: ServeOptions) -> Result<()> {
+    let model = serve.model.unwrap_or_else(|| repo.root.join(BUNDLED_MODEL));
+    let port = serve.port.to_string();
+    let options = BuildOptions { cuda: serve.cuda };
+    let host_args = serve.host_args;
     check_model_dir(&model)?;
     host::prepare(repo)?;
     build_workspace(repo, &options)?;
@@ -416,4 +456,171 @@ fn install(repo: &Repo, options: &BuildOptions) -> Result<()> {
         .with_context(|| format!("installing into {}", destination.display()))?;
     println!("xtask: installed {}", destination.display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    fn parse(args: &[&str]) -> Result<Cmd, clap::Error> {
+        Cli::try_parse_from(std::iter::once("cargo xtask").chain(args.iter().copied()))
+            .map(|cli| cli.command)
+    }
+
+    fn tool_args(command: Cmd) -> Vec<String> {
+        match command {
+            Cmd::Align(tool) | Cmd::Bench(tool) => tool.args,
+            other => panic!("not a tool command: {other:?}"),
+        }
+    }
+
+    fn strings(args: &[&str]) -> Vec<String> {
+        args.iter().map(|a| a.to_string()).collect()
+    }
+
+    #[test]
+    fn the_command_line_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    /// Every invocation the README, docs/, tools/ and .ci/ show.
+    #[test]
+    fn the_documented_invocations_parse() {
+        assert!(matches!(parse(&["prepare"]), Ok(Cmd::Prepare)));
+        assert!(matches!(parse(&["test"]), Ok(Cmd::Test)));
+        assert!(matches!(
+            parse(&["build"]),
+            Ok(Cmd::Build(BuildOptions { cuda: false }))
+        ));
+        assert!(matches!(
+            parse(&["build", "--cuda"]),
+            Ok(Cmd::Build(BuildOptions { cuda: true }))
+        ));
+        assert!(matches!(
+            parse(&["install"]),
+            Ok(Cmd::Install(BuildOptions { cuda: false }))
+        ));
+        assert!(matches!(
+            parse(&["install", "--cuda"]),
+            Ok(Cmd::Install(BuildOptions { cuda: true }))
+        ));
+
+        let Ok(Cmd::Serve(serve)) = parse(&["serve"]) else {
+            panic!("serve")
+        };
+        assert_eq!((serve.model, serve.port, serve.cuda), (None, 1234, false));
+        assert!(serve.host_args.is_empty());
+        let Ok(Cmd::Serve(serve)) = parse(&["serve", "--cuda"]) else {
+            panic!("serve --cuda")
+        };
+        assert!(serve.cuda);
+        let Ok(Cmd::Serve(serve)) = parse(&[
+            "serve", "--model", "DIR", "--port", "8080", "--", "--dtype", "f32",
+        ]) else {
+            panic!("serve with host args")
+        };
+        assert_eq!(serve.model, Some(PathBuf::from("DIR")));
+        assert_eq!(serve.port, 8080);
+        assert_eq!(serve.host_args, strings(&["--dtype", "f32"]));
+
+        let Ok(Cmd::Parse(options)) = parse(&[
+            "parse",
+            "--tools",
+            "tools.json",
+            "--no-thinking",
+            "--stream",
+        ]) else {
+            panic!("parse")
+        };
+        assert_eq!(options.tools, Some(PathBuf::from("tools.json")));
+        assert!(!options.thinking_enabled() && options.stream);
+        let Ok(Cmd::Parse(options)) = parse(&["parse"]) else {
+            panic!("parse")
+        };
+        assert!(options.tools.is_none() && options.thinking_enabled() && !options.stream);
+
+        let Ok(Cmd::Seam(seam)) = parse(&["seam", "--patches", "/tmp/series"]) else {
+            panic!("seam")
+        };
+        assert_eq!(seam.patches, PathBuf::from("/tmp/series"));
+    }
+
+    #[test]
+    fn align_and_bench_pass_every_argument_on_unchanged() {
+        for args in [
+            &[
+                "--model", "DIR", "--golden", "FILE", "--device", "cuda", "--dtype", "bf16",
+            ][..],
+            &[
+                "--model", "DIR", "--golden", "FILE", "--json", "r.json", "--dump", "o.st",
+            ],
+            &["--device=cuda", "--help"],
+            &["-h"],
+            &["--help"],
+            &[],
+            &["--tiny", "--", "x"],
+        ] {
+            let mut align = vec!["align"];
+            align.extend(args);
+            assert_eq!(
+                tool_args(parse(&align).unwrap()),
+                strings(args),
+                "{align:?}"
+            );
+            let mut bench = vec!["bench"];
+            bench.extend(args);
+            assert_eq!(
+                tool_args(parse(&bench).unwrap()),
+                strings(args),
+                "{bench:?}"
+            );
+        }
+        let bench = [
+            "bench",
+            "--device",
+            "cpu",
+            "--tiny",
+            "--layers",
+            "2",
+            "--prefill",
+            "64",
+            "--decode",
+            "1,2",
+            "--dtype",
+            "f32",
+        ];
+        assert_eq!(tool_args(parse(&bench).unwrap()), strings(&bench[1..]));
+        // A leading `--` is clap's end of options (the tools take no `--`).
+        assert_eq!(
+            tool_args(parse(&["bench", "--", "--tiny"]).unwrap()),
+            strings(&["--tiny"])
+        );
+    }
+
+    #[test]
+    fn wrong_arguments_are_clap_errors() {
+        use clap::error::ErrorKind;
+        let kind = |args: &[&str]| parse(args).expect_err("must not parse").kind();
+        assert_eq!(kind(&["frob"]), ErrorKind::InvalidSubcommand);
+        assert_eq!(kind(&["build", "--frob"]), ErrorKind::UnknownArgument);
+        assert_eq!(kind(&["test", "--cuda"]), ErrorKind::UnknownArgument);
+        assert_eq!(
+            kind(&["serve", "--port", "http"]),
+            ErrorKind::ValueValidation
+        );
+        assert_eq!(kind(&["serve", "--model"]), ErrorKind::InvalidValue);
+        assert_eq!(
+            kind(&["serve", "--dtype", "f32"]),
+            ErrorKind::UnknownArgument
+        );
+        assert_eq!(kind(&["parse", "--tools"]), ErrorKind::InvalidValue);
+        assert_eq!(kind(&["seam"]), ErrorKind::MissingRequiredArgument);
+        assert_eq!(
+            kind(&[]),
+            ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+        );
+        assert_eq!(kind(&["--help"]), ErrorKind::DisplayHelp);
+        assert_eq!(kind(&["serve", "--help"]), ErrorKind::DisplayHelp);
+    }
 }

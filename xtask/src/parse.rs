@@ -3,7 +3,7 @@
 use std::io::Read;
 use std::path::PathBuf;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use berrylm_parsers::{
     parse_message, BerryLmStreamParser, MessageAssembler, ParserOptions, RandomToolCallIds,
 };
@@ -11,31 +11,24 @@ use berrylm_parsers::{
 /// Characters fed per piece with `--stream`, so tags split across pieces.
 const STREAM_PIECE_CHARS: usize = 3;
 
+/// `cargo xtask parse`'s options.
+#[derive(Debug, Clone, clap::Args)]
 pub struct ParseOptions {
+    /// The request's `tools`: a JSON array of OpenAI tool definitions
+    #[arg(long, value_name = "FILE")]
     pub tools: Option<PathBuf>,
-    pub thinking_enabled: bool,
+    /// The request disabled thinking (the template did not open `<think>`)
+    #[arg(long)]
+    pub no_thinking: bool,
+    /// Also print the streamed deltas (one JSON object a line), feeding the
+    /// output a few characters at a time
+    #[arg(long)]
     pub stream: bool,
 }
 
 impl ParseOptions {
-    pub fn parse(args: &[String]) -> Result<ParseOptions> {
-        let mut options = ParseOptions {
-            tools: None,
-            thinking_enabled: true,
-            stream: false,
-        };
-        let mut iter = args.iter();
-        while let Some(arg) = iter.next() {
-            match arg.as_str() {
-                "--tools" => {
-                    options.tools = Some(PathBuf::from(iter.next().context("--tools needs a file")?))
-                }
-                "--no-thinking" => options.thinking_enabled = false,
-                "--stream" => options.stream = true,
-                other => bail!("unexpected argument `{other}` (parse [--tools FILE] [--no-thinking] [--stream])"),
-            }
-        }
-        Ok(options)
+    pub fn thinking_enabled(&self) -> bool {
+        !self.no_thinking
     }
 }
 
@@ -51,7 +44,7 @@ pub fn run(options: &ParseOptions) -> Result<()> {
         }
         None => serde_json::Value::Null,
     };
-    let parser_options = ParserOptions::from_request_tools(options.thinking_enabled, &tools)
+    let parser_options = ParserOptions::from_request_tools(options.thinking_enabled(), &tools)
         .context("--tools must be a JSON array of OpenAI tool definitions")?;
     let mut output = String::new();
     std::io::stdin()

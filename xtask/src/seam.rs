@@ -33,6 +33,10 @@ pub struct NewFile {
     pub path: String,
     /// Source, relative to the seam file's folder.
     pub source: String,
+    /// The group (the concern, as its header in `seam.toml` names it) whose
+    /// patch adds the file (`cargo xtask seam --patches`).
+    #[serde(default)]
+    pub group: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -198,6 +202,66 @@ pub struct ApplyReport {
     pub edits_applied: usize,
 }
 
+/// One host crate's files: path inside the crate, content.
+pub type Files = BTreeMap<PathBuf, Vec<u8>>;
+
+/// Every file under `root`, keyed by its path relative to `root`.
+pub fn read_tree(root: &Path) -> Result<Files, SeamError> {
+    let mut files = Files::new();
+    collect_files(root, root, &mut files)?;
+    Ok(files)
+}
+
+/// Applies `edits` (edits of one crate, in the seam's order) to that crate's `files`.
+pub fn apply_edits<'a>(
+    files: &mut Files,
+    edits: impl IntoIterator<Item = &'a Edit>,
+    host_version: &str,
+) -> Result<usize, SeamError> {
+    let mut applied = 0;
+    for edit in edits {
+        let key = PathBuf::from(&edit.file);
+        let bytes = files
+            .get(&key)
+            .ok_or_else(|| anchor_mismatch(edit, host_version, 0))?;
+        let content = String::from_utf8_lossy(bytes).into_owned();
+        let patched = apply_edit(&content, edit, host_version)?;
+        files.insert(key, patched.into_bytes());
+        applied += 1;
+    }
+    Ok(applied)
+}
+
+/// The content of a new file, read from its source beside the seam file.
+pub fn new_file_content(seam_dir: &Path, new_file: &NewFile) -> Result<Vec<u8>, SeamError> {
+    let source = seam_dir.join(&new_file.source);
+    fs::read(&source).map_err(io_error(&source))
+}
+
+/// One host crate's files with the seam applied (its edits, then its new
+/// files), and how many edits that took.
+pub fn render_crate(
+    seam: &Seam,
+    host_crate: &SeamCrate,
+    seam_dir: &Path,
+    pristine: &BTreeMap<String, PathBuf>,
+) -> Result<(Files, usize), SeamError> {
+    let source_root = pristine
+        .get(&host_crate.name)
+        .ok_or_else(|| SeamError::Invalid(format!("no pristine source for {}", host_crate.name)))?;
+    let mut files = read_tree(source_root)?;
+    let edits = seam
+        .edits
+        .iter()
+        .filter(|e| e.crate_name == host_crate.name);
+    let applied = apply_edits(&mut files, edits, &seam.host_version)?;
+    for new_file in &host_crate.new_files {
+        let bytes = new_file_content(seam_dir, new_file)?;
+        files.insert(PathBuf::from(&new_file.path), bytes);
+    }
+    Ok((files, applied))
+}
+
 /// Writes `pristine` (one folder per host crate, named like the crate) with the
 /// seam applied into `out` (same layout). `seam_dir` is where new-file sources live.
 pub fn apply(
@@ -208,31 +272,9 @@ pub fn apply(
 ) -> Result<ApplyReport, SeamError> {
     let mut report = ApplyReport::default();
     for host_crate in &seam.crates {
-        let source_root = pristine.get(&host_crate.name).ok_or_else(|| {
-            SeamError::Invalid(format!("no pristine source for {}", host_crate.name))
-        })?;
+        let (generated, applied) = render_crate(seam, host_crate, seam_dir, pristine)?;
+        report.edits_applied += applied;
         let out_root = out.join(&host_crate.name);
-        let mut generated: BTreeMap<PathBuf, Vec<u8>> = BTreeMap::new();
-        collect_files(source_root, source_root, &mut generated)?;
-        for edit in seam
-            .edits
-            .iter()
-            .filter(|e| e.crate_name == host_crate.name)
-        {
-            let key = PathBuf::from(&edit.file);
-            let bytes = generated
-                .get(&key)
-                .ok_or_else(|| anchor_mismatch(edit, &seam.host_version, 0))?;
-            let content = String::from_utf8_lossy(bytes).into_owned();
-            let patched = apply_edit(&content, edit, &seam.host_version)?;
-            generated.insert(key, patched.into_bytes());
-            report.edits_applied += 1;
-        }
-        for new_file in &host_crate.new_files {
-            let source = seam_dir.join(&new_file.source);
-            let bytes = fs::read(&source).map_err(io_error(&source))?;
-            generated.insert(PathBuf::from(&new_file.path), bytes);
-        }
         for (relative, bytes) in &generated {
             let target = out_root.join(relative);
             if fs::read(&target).ok().as_deref() == Some(bytes.as_slice()) {
@@ -248,11 +290,7 @@ pub fn apply(
     Ok(report)
 }
 
-fn collect_files(
-    root: &Path,
-    dir: &Path,
-    files: &mut BTreeMap<PathBuf, Vec<u8>>,
-) -> Result<(), SeamError> {
+fn collect_files(root: &Path, dir: &Path, files: &mut Files) -> Result<(), SeamError> {
     for entry in fs::read_dir(dir).map_err(io_error(dir))? {
         let entry = entry.map_err(io_error(dir))?;
         let path = entry.path();
