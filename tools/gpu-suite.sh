@@ -19,7 +19,9 @@
 # $SCALE_PREFILL, default 4096,16384, and decode at batch 1, 64 and 256; writes
 # the 40-layer checkpoint first, once per machine), scale-serve (that checkpoint
 # through `mistralrs serve`: tools/load_test.py's sweep at concurrency
-# $SCALE_CONCURRENCY, default 1,64,256, then batch-1 decode end to end), fla
+# $SCALE_CONCURRENCY, default 1,64,256, then batch-1 decode end to end),
+# scale-interference (16 streams on that checkpoint while a
+# $SCALE_LONG_PROMPT-token prompt, default 32768, prefills), fla
 # (fla's chunk_kda and fused_recurrent_kda at BerryLM-OS shapes, issue #6's
 # comparison: tools/fla_bench.py, $OUT/fla.json; needs python3 with torch and
 # triton, and the wheels of fla-core and of the pure-Python packages it imports,
@@ -121,6 +123,24 @@ scale_serve() {
     return "$code"
 }
 
+# The scale-interference step: 16 streams decode on the 40-layer checkpoint
+# while one $SCALE_LONG_PROMPT-token prompt (default 32768) prefills; the load
+# tool reports their inter-token latency before, during and after it.
+scale_interference() {
+    local code
+    scale_checkpoint || return 1
+    start_server "$SCALE_CHECKPOINT" "$SCALE_PORT" --dtype bf16 --max-seqs 64 --pa-memory-mb 16384
+    code=$?
+    if [ "$code" -eq 0 ]; then
+        timeout 480 python3 tools/load_test.py interference --url "http://127.0.0.1:$SCALE_PORT" \
+            --clients "${SCALE_CLIENTS:-16}" --long-prompt-tokens "${SCALE_LONG_PROMPT:-32768}" \
+            ${OUT:+--json "$OUT/interference-40l.json"}
+        code=$?
+    fi
+    stop_server
+    return "$code"
+}
+
 # The e2e step: writes the checkpoint (once per machine), measures the model
 # forward at batch 1 with the bench, serves the checkpoint (paged attention, the
 # CUDA default, with an 8 GiB KV pool) and measures decode through HTTP.
@@ -202,6 +222,7 @@ step() {
         --prefill "${SCALE_PREFILL:-4096,16384}" --decode 1,64,256 --no-kernels \
         ${OUT:+--json "$OUT/bench-40l.json"} ;;
     scale-serve) scale_serve ;;
+    scale-interference) scale_interference ;;
     fla) fla_bench ;;
     *) echo "unknown step $1" >&2; return 2 ;;
     esac

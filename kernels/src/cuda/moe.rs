@@ -63,6 +63,19 @@ pub(crate) struct MoeDims {
     pub inter: usize,
 }
 
+impl MoeDims {
+    /// `[tokens, top_k, experts, hidden, inter]` as the launchers take them.
+    fn c_sizes(&self) -> Result<[c_int; 5]> {
+        Ok([
+            c_size(OP, "x", self.tokens)?,
+            c_size(OP, "ids", self.top_k)?,
+            c_size(OP, "gate_up", self.experts)?,
+            c_size(OP, "x", self.hidden)?,
+            c_size(OP, "down", self.inter)?,
+        ])
+    }
+}
+
 /// CUDA `moe_experts`; arguments already validated by the caller.
 pub(crate) fn moe_experts(
     x: &Tensor,
@@ -87,6 +100,7 @@ pub(crate) fn moe_experts(
     let h = launch.output(&[routed, dims.inter], dtype)?;
     let expert_out = launch.output(&[routed, dims.hidden], dtype)?;
     let y = launch.output(&[dims.tokens, dims.hidden], dtype)?;
+    let [tokens, top_k, experts, hidden, inter] = dims.c_sizes()?;
     let outputs = launch.run(|p| {
         // SAFETY: as in `kda_gate`.
         Ok(unsafe {
@@ -100,11 +114,11 @@ pub(crate) fn moe_experts(
                 p.output(h),
                 p.output(expert_out),
                 p.output(y),
-                c_size(OP, "x", dims.tokens)?,
-                c_size(OP, "ids", dims.top_k)?,
-                c_size(OP, "gate_up", dims.experts)?,
-                c_size(OP, "x", dims.hidden)?,
-                c_size(OP, "down", dims.inter)?,
+                tokens,
+                top_k,
+                experts,
+                hidden,
+                inter,
                 p.stream(),
             )
         })
@@ -313,6 +327,7 @@ fn combine(
     let rows = launch.input("ids", rows)?;
     let dtype = launch.dtype(expert_out);
     let y = launch.output(&[dims.tokens, dims.hidden], dtype)?;
+    let [tokens, top_k, experts, hidden, _] = dims.c_sizes()?;
     let outputs = launch.run(|p| {
         // SAFETY: as in `kda_gate`.
         Ok(unsafe {
@@ -323,10 +338,10 @@ fn combine(
                 p.input(ids),
                 p.input(rows),
                 p.output(y),
-                c_size(OP, "x", dims.tokens)?,
-                c_size(OP, "ids", dims.top_k)?,
-                c_size(OP, "gate_up", dims.experts)?,
-                c_size(OP, "x", dims.hidden)?,
+                tokens,
+                top_k,
+                experts,
+                hidden,
                 p.stream(),
             )
         })
