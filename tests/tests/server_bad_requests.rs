@@ -2,6 +2,10 @@
 //! says what is wrong, and afterwards the server answers a normal chat
 //! completion with exactly the tokens it gave before them.
 
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
 use anyhow::Result;
 use berrylm_tests::server::Server;
 use berrylm_tests::Fixture;
@@ -151,6 +155,28 @@ fn bad_requests_get_a_4xx_naming_the_problem_and_the_server_keeps_serving() -> R
             )),
             "parameters".to_string(),
         ),
+        (
+            "more choices than the bound",
+            hello(serde_json::json!({"n": 100000})),
+            "100000".to_string(),
+        ),
+        (
+            "more alternatives per token than OpenAI's 20",
+            hello(serde_json::json!({"logprobs": true, "top_logprobs": 100000})),
+            "top_logprobs".to_string(),
+        ),
+        (
+            "more tools than the bound",
+            hello(serde_json::json!({
+                "tools": (0..129)
+                    .map(|i| serde_json::json!({"type": "function", "function": {
+                        "name": format!("f{i}"),
+                        "parameters": {"type": "object", "properties": {}},
+                    }}))
+                    .collect::<Vec<_>>(),
+            })),
+            "129".to_string(),
+        ),
     ];
     for (what, body, names) in &cases {
         assert_rejected(&server, what, body, names)?;
@@ -201,4 +227,32 @@ fn a_user_message_without_content_is_a_client_error() -> Result<()> {
         &hello(serde_json::json!({"messages": [{"role": "user"}]})),
         "content",
     )
+}
+
+/// A body declared larger than the server's limit (derived from the model's
+/// context) is refused with 413 at once, before the server waits for it: the
+/// client sends the headers of a 100 MiB body and one byte of it.
+#[test]
+fn a_body_declared_beyond_the_limit_is_refused_before_it_is_read() -> Result<()> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let mut server = start(&fixture)?;
+    let before = normal_answer(&server, &fixture)?;
+    let mut stream = TcpStream::connect(("127.0.0.1", server.port))?;
+    write!(
+        stream,
+        "POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+         Content-Length: 104857600\r\nConnection: close\r\n\r\n{{"
+    )?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let mut status_line = String::new();
+    BufReader::new(stream).read_line(&mut status_line)?;
+    assert!(
+        status_line.split_whitespace().nth(1) == Some("413"),
+        "expected 413 for a declared 100 MiB body, got {status_line:?}"
+    );
+    assert!(
+        server.log().contains("Request bodies are limited to"),
+        "the server did not log its body limit"
+    );
+    assert_still_serving(&mut server, &fixture, &before)
 }
