@@ -30,6 +30,10 @@ pub struct Args {
     /// Also write our logits of every mode and our greedy tokens as safetensors.
     #[arg(long, value_name = "OUT")]
     pub dump: Option<PathBuf>,
+    /// With a corpus-protocol file (`prompt{i}.ids`, from
+    /// `tools/reference_dump.py --corpus`): compare only its first K windows.
+    #[arg(long, value_name = "K", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub prompts: Option<usize>,
 }
 
 /// The compute type of the run.

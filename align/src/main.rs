@@ -5,6 +5,7 @@
 //! bfloat16 noise. See docs/alignment.md.
 
 mod args;
+mod corpus;
 mod dump;
 mod modes;
 mod report;
@@ -37,6 +38,9 @@ const SOME_MODE_FAILED: u8 = 2;
 async fn run() -> Result<ExitCode> {
     let args = Args::parse();
     let device = args.device.open()?;
+    if corpus::is_corpus_file(&args.golden)? {
+        return run_corpus(&args, &device);
+    }
     let golden = Golden::load(&args.golden)?;
 
     // Teacher-forced modes and the Driver's greedy run, on fresh host caches.
@@ -72,18 +76,7 @@ async fn run() -> Result<ExitCode> {
     .await
     .context("greedy generation through the host engine");
 
-    let report = Report::build(
-        Run {
-            model: args.model_name(),
-            model_dir: args.model.display().to_string(),
-            golden: args.golden.display().to_string(),
-            dtype: args.dtype.name().into(),
-            device: args.device.name().into(),
-        },
-        &golden,
-        &runs,
-        greedy,
-    );
+    let report = Report::build(run_header(&args), &golden, &runs, greedy);
     print!("{}", report.table());
     if let Some(path) = &args.json {
         let json = serde_json::to_string_pretty(&report)?;
@@ -97,4 +90,29 @@ async fn run() -> Result<ExitCode> {
     } else {
         ExitCode::from(SOME_MODE_FAILED)
     })
+}
+
+fn run_header(args: &Args) -> Run {
+    Run {
+        model: args.model_name(),
+        model_dir: args.model.display().to_string(),
+        golden: args.golden.display().to_string(),
+        dtype: args.dtype.name().into(),
+        device: args.device.name().into(),
+    }
+}
+
+/// The corpus protocol (a file of `tools/reference_dump.py --corpus`): the
+/// free-running and teacher-forced tables (corpus.rs).
+fn run_corpus(args: &Args, device: &candle_core::Device) -> Result<ExitCode> {
+    let golden = corpus::CorpusGolden::load(&args.golden, args.prompts)?;
+    let model = berrylm::driver::load_checkpoint(&args.model, args.dtype.candle(), device)
+        .with_context(|| format!("loading {}", args.model.display()))?;
+    let report = corpus::CorpusReport::build(run_header(args), &model, &golden)?;
+    print!("{}", report.tables());
+    if let Some(path) = &args.json {
+        let json = serde_json::to_string_pretty(&report)?;
+        std::fs::write(path, json + "\n").with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(ExitCode::SUCCESS)
 }

@@ -199,3 +199,79 @@ fn bf16_is_within_the_reference_noise_floor() -> Result<()> {
     std::fs::remove_dir_all(&out)?;
     Ok(())
 }
+
+/// Runs `berrylm-align` on the vendored corpus-protocol file
+/// (`trained-tiny-corpus`, the reference's windows of the bundled model) and
+/// returns its JSON report.
+fn corpus_report(dtype: &str) -> Result<Value> {
+    let fixtures = fixtures_dir();
+    let out = std::env::temp_dir().join(format!(
+        "berrylm-align-corpus-{dtype}-{}.json",
+        std::process::id()
+    ));
+    let output = std::process::Command::new(align_binary()?)
+        .arg("--model")
+        .arg(fixtures.join("trained-tiny/model"))
+        .arg("--golden")
+        .arg(fixtures.join("trained-tiny-corpus/golden.safetensors"))
+        .args(["--dtype", dtype, "--device", "cpu", "--json"])
+        .arg(&out)
+        .output()
+        .context("running berrylm-align")?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "berrylm-align failed ({}):\n{stdout}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(
+        stdout.contains("## Free-running") && stdout.contains("## Teacher-forced"),
+        "no tables:\n{stdout}"
+    );
+    Ok(serde_json::from_str(&std::fs::read_to_string(&out)?)?)
+}
+
+/// Float32 on the corpus protocol: every window's free-running continuation
+/// and every teacher-forced position agree with the reference, at every
+/// position.
+#[test]
+fn corpus_protocol_f32_matches_at_every_position() -> Result<()> {
+    let report = corpus_report("f32")?;
+    assert_eq!(report["windows"], 8, "{report}");
+    for table in ["free_running", "teacher_forced"] {
+        let rows = report[table]["per_position"]
+            .as_array()
+            .context("per_position")?;
+        assert_eq!(rows.len(), 8, "{table}: one row per continuation token");
+        assert_eq!(rows[0]["position"], "prefill");
+        for row in rows {
+            let position = &row["position"];
+            assert_eq!(row["top1_match"], 1.0, "{table} {position}: {row}");
+            let max = row["max_abs_logprob_diff"].as_f64().context("max")?;
+            assert!(
+                max <= MAX_LOGPROB_DIFF,
+                "{table} {position}: max |Δ logprob| {max}"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Bfloat16 on the corpus protocol: top-1 agreement within one point of the
+/// reference's own bfloat16 run, in both tables.
+#[test]
+fn corpus_protocol_bf16_sits_beside_the_reference_bf16() -> Result<()> {
+    let report = corpus_report("bf16")?;
+    for table in ["free_running", "teacher_forced"] {
+        let ours = report[table]["top1_match"].as_f64().context("top1_match")?;
+        let floor = report[table]["reference_bf16"]["top1_match"]
+            .as_f64()
+            .context("the reference's bf16 row")?;
+        assert!(
+            ours >= floor - BF16_TOP1_MARGIN,
+            "{table}: top-1 {ours} against the reference's bf16 {floor}"
+        );
+    }
+    Ok(())
+}
