@@ -187,11 +187,13 @@ impl Args {
 
 impl Cli {
     fn resolve(self) -> Result<Args, clap::Error> {
-        let device = self.device.unwrap_or(if candle_core::utils::cuda_is_available() {
-            DeviceKind::Cuda
-        } else {
-            DeviceKind::Cpu
-        });
+        let device = self
+            .device
+            .unwrap_or(if candle_core::utils::cuda_is_available() {
+                DeviceKind::Cuda
+            } else {
+                DeviceKind::Cpu
+            });
         let dtype = match (self.dtype, device) {
             (Some(Precision::Bf16), DeviceKind::Cpu) => {
                 return Err(Cli::command().error(
@@ -293,7 +295,10 @@ mod tests {
             &["--tiny=1"],
             &["--frobnicate"],
         ] {
-            assert!(Args::try_parse(bad.iter().copied()).is_err(), "{bad:?} was accepted");
+            assert!(
+                Args::try_parse(bad.iter().copied()).is_err(),
+                "{bad:?} was accepted"
+            );
         }
     }
 }

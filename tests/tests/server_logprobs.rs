@@ -26,12 +26,18 @@ fn request(fixture: &Fixture, stream: bool) -> Value {
 /// Checks one `logprobs.content` entry's shape; returns (token, logprob).
 fn entry_shape(entry: &Value) -> Result<(String, f64)> {
     let token = entry["token"].as_str().context("`token` is not a string")?;
-    let logprob = entry["logprob"].as_f64().context("`logprob` is not a number")?;
+    let logprob = entry["logprob"]
+        .as_f64()
+        .context("`logprob` is not a number")?;
     anyhow::ensure!(logprob <= 0.0, "a log-probability above 0: {entry}");
     let top = entry["top_logprobs"]
         .as_array()
         .context("`top_logprobs` is not a list")?;
-    anyhow::ensure!(top.len() == TOP, "{} alternatives, asked {TOP}: {entry}", top.len());
+    anyhow::ensure!(
+        top.len() == TOP,
+        "{} alternatives, asked {TOP}: {entry}",
+        top.len()
+    );
     let mut previous = f64::INFINITY;
     for alternative in top {
         let text = alternative["token"]
@@ -44,10 +50,20 @@ fn entry_shape(entry: &Value) -> Result<(String, f64)> {
             .as_array()
             .context("an alternative's `bytes` is not a list")?
             .iter()
-            .map(|b| b.as_u64().map(|b| b as u8).context("a byte is not an integer"))
+            .map(|b| {
+                b.as_u64()
+                    .map(|b| b as u8)
+                    .context("a byte is not an integer")
+            })
             .collect::<Result<_>>()?;
-        anyhow::ensure!(bytes == text.as_bytes(), "`bytes` is not the text's UTF-8: {alternative}");
-        anyhow::ensure!(value <= previous, "alternatives not in decreasing order: {entry}");
+        anyhow::ensure!(
+            bytes == text.as_bytes(),
+            "`bytes` is not the text's UTF-8: {alternative}"
+        );
+        anyhow::ensure!(
+            value <= previous,
+            "alternatives not in decreasing order: {entry}"
+        );
         previous = value;
     }
     // Greedy decoding chose the most likely token.

@@ -266,10 +266,24 @@ fn grouped_gemm(
         // which cuBLAS reads from device memory; freed on the stream after
         // the call.
         let mut pointers = Vec::with_capacity(3 * count);
-        pointers.extend(groups.iter().map(|&(e, _, _)| w_base + (e * m * k) as u64 * elem));
-        pointers.extend(groups.iter().map(|&(_, first, _)| a_base + (first * k) as u64 * elem));
-        pointers.extend(groups.iter().map(|&(_, first, _)| out_base + (first * m) as u64 * elem));
-        let tables = stream.clone_htod(&pointers).map_err(|e| error(format!("{e:?}")))?;
+        pointers.extend(
+            groups
+                .iter()
+                .map(|&(e, _, _)| w_base + (e * m * k) as u64 * elem),
+        );
+        pointers.extend(
+            groups
+                .iter()
+                .map(|&(_, first, _)| a_base + (first * k) as u64 * elem),
+        );
+        pointers.extend(
+            groups
+                .iter()
+                .map(|&(_, first, _)| out_base + (first * m) as u64 * elem),
+        );
+        let tables = stream
+            .clone_htod(&pointers)
+            .map_err(|e| error(format!("{e:?}")))?;
         let (base, _read) = tables.device_ptr(&stream);
         let table = |part: usize| base + (part * count * std::mem::size_of::<u64>()) as u64;
         // SAFETY: the pointer tables address live contiguous device buffers
