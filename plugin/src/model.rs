@@ -5,7 +5,7 @@ use candle_core::{DType, Device, IndexOp, Module, Result, Tensor};
 use mistralrs_core::layers::CausalMasker;
 use mistralrs_core::plugin_api::{
     FlashParams, HybridCache, HybridCacheConfig, HybridLayerCache, HybridLayerType, PagedAttention,
-    PagedAttentionInputMetadata, PastKvLenCache, RecurrentLayerConfig,
+    PagedAttentionInputMetadata, PastKvLenCache, RecurrentLayerConfig, RecurrentStatePool,
 };
 
 use crate::config::{BerryLmConfig, LayerKind};
@@ -30,6 +30,88 @@ struct DecoderLayer {
     post_attention_layernorm: OffsetRmsNorm,
     mixer: Mixer,
     moe: SparseMoe,
+}
+
+/// What a layer's token mixer reads and updates besides its input: a KDA
+/// layer's recurrent pool and the batch's slots in it, an attention layer's
+/// KV and the batch's positions.
+enum MixerState<'a> {
+    Kda {
+        pool: &'a mut RecurrentStatePool,
+        /// The slots on the device, and the same on the host.
+        slots: &'a Tensor,
+        host_slots: &'a [u32],
+        batch: &'a ForwardBatch<'a>,
+    },
+    Attention {
+        kv: AttentionKv<'a>,
+        cos: &'a Tensor,
+        sin: &'a Tensor,
+        mask: Option<&'a Tensor>,
+        flash_params: &'a FlashParams,
+    },
+}
+
+impl DecoderLayer {
+    /// One layer on the residual stream `x` `[B * T, hidden]`, `committed`
+    /// the AttnRes blocks committed so far:
+    ///
+    /// ```text
+    /// x = attn_res(committed, x)                 (with AttnRes)
+    /// h = x + mixer(input_layernorm(x))          (KDA or gated attention)
+    /// y = h + moe(post_attention_layernorm(h))
+    /// ```
+    fn forward(
+        &self,
+        x: &Tensor,
+        committed: &[Tensor],
+        (rows, seq_len): (usize, usize),
+        state: MixerState<'_>,
+    ) -> Result<Tensor> {
+        let hidden = x.dim(1)?;
+        let x = match &self.attn_res {
+            Some(attn_res) => attn_res.forward(committed, x)?,
+            None => x.clone(),
+        };
+        let normed = self.input_layernorm.forward(&x)?;
+        let mixed = self
+            .mixer
+            .forward(&normed.reshape((rows, seq_len, hidden))?, state)?;
+        let (h, normed) = self
+            .post_attention_layernorm
+            .forward_residual(&x, &mixed.reshape((rows * seq_len, hidden))?)?;
+        self.moe
+            .forward(&normed.reshape((rows, seq_len, hidden))?, &h)
+    }
+}
+
+impl Mixer {
+    fn forward(&self, normed: &Tensor, state: MixerState<'_>) -> Result<Tensor> {
+        match (self, state) {
+            (
+                Mixer::Kda(kda),
+                MixerState::Kda {
+                    pool,
+                    slots,
+                    host_slots,
+                    batch,
+                },
+            ) => run_kda(kda, normed, batch, slots, host_slots, pool),
+            (
+                Mixer::Attention(attention),
+                MixerState::Attention {
+                    kv,
+                    cos,
+                    sin,
+                    mask,
+                    flash_params,
+                },
+            ) => attention.forward(normed, cos, sin, mask, kv, flash_params),
+            _ => candle_core::bail!(
+                "BerryLM forward: the host cache of a layer does not match its kind"
+            ),
+        }
+    }
 }
 
 /// The sequences of one forward pass. Every row continues its sequence from
@@ -189,7 +271,6 @@ impl BerryLm {
             );
         }
         let hidden = self.cfg.hidden_size;
-        let tokens = rows * seq_len;
         let mut x = self
             .embed_tokens
             .index_select(&batch.input_ids.flatten_all()?, 0)?;
@@ -229,23 +310,21 @@ impl BerryLm {
         }
         let mut attention_ordinal = 0;
         for (index, layer) in self.layers.iter().enumerate() {
-            if let Some(attn_res) = &layer.attn_res {
-                x = attn_res.forward(&committed, &x)?;
-            }
-            let normed = layer
-                .input_layernorm
-                .forward(&x)?
-                .reshape((rows, seq_len, hidden))?;
-            let mixed = match (&layer.mixer, cache.get_mut(index)) {
-                (Mixer::Kda(kda), Some(HybridLayerCache::Recurrent(pool))) => {
+            let state = match cache.get_mut(index) {
+                Some(HybridLayerCache::Recurrent(pool)) => {
                     let Some(indices) = &state_indices else {
                         candle_core::bail!(
                             "BerryLM forward: the host gave no recurrent state slots"
                         )
                     };
-                    run_kda(kda, &normed, batch, indices, &slots, pool)?
+                    MixerState::Kda {
+                        pool,
+                        slots: indices,
+                        host_slots: &slots,
+                        batch,
+                    }
                 }
-                (Mixer::Attention(attention), Some(HybridLayerCache::Attention(kv))) => {
+                Some(HybridLayerCache::Attention(kv)) => {
                     let kv = match &paged {
                         Some(paged) => AttentionKv::Paged {
                             key_value: paged.blocks[attention_ordinal].clone(),
@@ -254,18 +333,17 @@ impl BerryLm {
                         None => AttentionKv::Contiguous(kv),
                     };
                     attention_ordinal += 1;
-                    attention.forward(&normed, &cos, &sin, mask.as_ref(), kv, flash_params)?
+                    MixerState::Attention {
+                        kv,
+                        cos: &cos,
+                        sin: &sin,
+                        mask: mask.as_ref(),
+                        flash_params,
+                    }
                 }
-                _ => candle_core::bail!(
-                    "BerryLM forward: the host cache of layer {index} does not match its kind"
-                ),
+                None => candle_core::bail!("BerryLM forward: the host cache has no layer {index}"),
             };
-            let (sum, normed) = layer
-                .post_attention_layernorm
-                .forward_residual(&x, &mixed.reshape((tokens, hidden))?)?;
-            x = layer
-                .moe
-                .forward(&normed.reshape((rows, seq_len, hidden))?, &sum)?;
+            x = layer.forward(&x, &committed, (rows, seq_len), state)?;
             if self.cfg.attn_res_enabled() && (index + 1) % self.cfg.attn_res_block_size == 0 {
                 committed.push(x.clone());
             }
@@ -324,7 +402,7 @@ fn run_kda(
     batch: &ForwardBatch<'_>,
     indices: &Tensor,
     slots: &[u32],
-    pool: &mut mistralrs_core::plugin_api::RecurrentStatePool,
+    pool: &mut RecurrentStatePool,
 ) -> Result<Tensor> {
     let (rows, seq_len, _) = normed.dims3()?;
     let all_full = batch.token_counts.iter().all(|count| *count == seq_len);
