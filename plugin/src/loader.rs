@@ -36,6 +36,14 @@ impl NormalModelLoader for BerryLmLoader {
         normal_loading_metadata: NormalLoadingMetadata,
         attention_mechanism: AttentionImplementation,
     ) -> Result<Box<dyn NormalModel + Send + Sync>> {
+        // The host would load the weights unquantized (on the CPU, to quantize
+        // them afterwards) and serve them so: refuse instead of ignoring.
+        anyhow::ensure!(
+            !normal_loading_metadata.loading_isq && mistralrs_quant::get_immediate_isq().is_none(),
+            "BerryLM does not support in-situ quantization yet (`--isq`, `--from-uqff`, an imatrix \
+             or a calibration file): its projections and experts are not the host's quantizable \
+             layers; serve it without these options"
+        );
         let cfg = BerryLmConfig::from_json(config)?;
         let device = normal_loading_metadata.real_device.clone();
         let weights = Weights::new(vb.set_device(device));
