@@ -17,6 +17,9 @@ fn in_situ_quantization_is_refused_at_load() -> Result<()> {
         message.contains("exited") && message.contains("does not support in-situ quantization"),
         "expected the server to exit naming in-situ quantization:\n{message}"
     );
-    assert!(!message.contains("panicked at"), "the server panicked:\n{message}");
+    assert!(
+        !message.contains("panicked at"),
+        "the server panicked:\n{message}"
+    );
     Ok(())
 }
