@@ -3,6 +3,8 @@
 //! reference's own bfloat16 logits in bfloat16, against the acceptance of the
 //! alignment report (docs/alignment.md).
 
+use std::path::Path;
+
 use anyhow::{Context, Result};
 use berrylm_tests::{align_binary, fixtures_dir, Fixture, FIXTURES};
 use candle_core::Device;
@@ -19,30 +21,49 @@ const BF16_TOP1_MARGIN: f64 = 0.01;
 /// own bfloat16 run's.
 const BF16_MEAN_DIFF_FACTOR: f64 = 1.5;
 
-#[test]
-fn small_hybrid_f32_is_aligned_in_every_mode() -> Result<()> {
-    let fixture = fixtures_dir().join("small-hybrid");
-    let out = std::env::temp_dir().join(format!("berrylm-align-test-{}", std::process::id()));
-    std::fs::create_dir_all(&out)?;
-    let (json_path, dump_path) = (out.join("report.json"), out.join("dump.safetensors"));
+/// Runs `berrylm-align` on the CPU with `--model MODEL --golden GOLDEN
+/// --dtype DTYPE --json JSON` and the further arguments; asserts that it
+/// succeeded and returns its standard output.
+fn run_align(
+    model: &Path,
+    golden: &Path,
+    dtype: &str,
+    json: &Path,
+    extra: &[&std::ffi::OsStr],
+) -> Result<String> {
     let output = std::process::Command::new(align_binary()?)
         .arg("--model")
-        .arg(fixture.join("model"))
+        .arg(model)
         .arg("--golden")
-        .arg(fixture.join("golden.safetensors"))
-        .args(["--dtype", "f32", "--device", "cpu", "--json"])
-        .arg(&json_path)
-        .arg("--dump")
-        .arg(&dump_path)
+        .arg(golden)
+        .args(["--dtype", dtype, "--device", "cpu", "--json"])
+        .arg(json)
+        .args(extra)
         .output()
         .context("running berrylm-align")?;
-    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     assert!(
         output.status.success(),
         "berrylm-align failed ({}):\n{stdout}\n{}",
         output.status,
         String::from_utf8_lossy(&output.stderr)
     );
+    Ok(stdout)
+}
+
+#[test]
+fn small_hybrid_f32_is_aligned_in_every_mode() -> Result<()> {
+    let fixture = fixtures_dir().join("small-hybrid");
+    let out = std::env::temp_dir().join(format!("berrylm-align-test-{}", std::process::id()));
+    std::fs::create_dir_all(&out)?;
+    let (json_path, dump_path) = (out.join("report.json"), out.join("dump.safetensors"));
+    let stdout = run_align(
+        &fixture.join("model"),
+        &fixture.join("golden.safetensors"),
+        "f32",
+        &json_path,
+        &["--dump".as_ref(), dump_path.as_os_str()],
+    )?;
     assert!(
         stdout.contains("| Model") && stdout.contains("| Position"),
         "no tables:\n{stdout}"
@@ -209,22 +230,13 @@ fn corpus_report(dtype: &str) -> Result<Value> {
         "berrylm-align-corpus-{dtype}-{}.json",
         std::process::id()
     ));
-    let output = std::process::Command::new(align_binary()?)
-        .arg("--model")
-        .arg(fixtures.join("trained-tiny/model"))
-        .arg("--golden")
-        .arg(fixtures.join("trained-tiny-corpus/golden.safetensors"))
-        .args(["--dtype", dtype, "--device", "cpu", "--json"])
-        .arg(&out)
-        .output()
-        .context("running berrylm-align")?;
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "berrylm-align failed ({}):\n{stdout}\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let stdout = run_align(
+        &fixtures.join("trained-tiny/model"),
+        &fixtures.join("trained-tiny-corpus/golden.safetensors"),
+        dtype,
+        &out,
+        &[],
+    )?;
     assert!(
         stdout.contains("## Free-running") && stdout.contains("## Teacher-forced"),
         "no tables:\n{stdout}"
