@@ -19,12 +19,12 @@
 //! the reference's own bfloat16 run against its float32 run is the noise
 //! floor (`greedy_bf16` / `teacher_bf16_logits` against the f32 ones).
 
-use std::collections::HashMap;
 use std::path::Path;
 
 use anyhow::{Context, Result};
 use berrylm::driver::Driver;
 use berrylm::model::BerryLm;
+use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
 
@@ -51,21 +51,27 @@ pub struct CorpusGolden {
     windows: Vec<Window>,
 }
 
-/// Whether `tensors` hold the corpus protocol (`prompt0.ids`) rather than
-/// the fixed-sequence format (`seq0.input_ids`).
-pub fn is_corpus_file(path: &Path) -> Result<bool> {
-    let tensors = candle_core::safetensors::load(path, &Device::Cpu)
-        .with_context(|| format!("reading the golden file {}", path.display()))?;
-    Ok(tensors.contains_key("prompt0.ids"))
+/// The golden file memory-mapped: only the tensors read are loaded (a
+/// corpus file of a full-vocabulary model holds gigabytes of logits).
+fn map(path: &Path) -> Result<MmapedSafetensors> {
+    // SAFETY: the golden file is not modified while it is mapped.
+    unsafe { MmapedSafetensors::new(path) }
+        .with_context(|| format!("reading the golden file {}", path.display()))
 }
 
-fn tensor<'a>(tensors: &'a HashMap<String, Tensor>, key: &str) -> Result<&'a Tensor> {
+/// Whether the file holds the corpus protocol (`prompt0.ids`) rather than
+/// the fixed-sequence format (`seq0.input_ids`); reads only its header.
+pub fn is_corpus_file(path: &Path) -> Result<bool> {
+    Ok(map(path)?.get("prompt0.ids").is_ok())
+}
+
+fn tensor(tensors: &MmapedSafetensors, key: &str) -> Result<Tensor> {
     tensors
-        .get(key)
+        .load(key, &Device::Cpu)
         .with_context(|| format!("the corpus file has no `{key}`"))
 }
 
-fn ids(tensors: &HashMap<String, Tensor>, key: &str) -> Result<Vec<u32>> {
+fn ids(tensors: &MmapedSafetensors, key: &str) -> Result<Vec<u32>> {
     Ok(tensor(tensors, key)?
         .to_dtype(DType::I64)?
         .to_vec1::<i64>()?
@@ -74,16 +80,15 @@ fn ids(tensors: &HashMap<String, Tensor>, key: &str) -> Result<Vec<u32>> {
         .collect())
 }
 
-fn reference_run(
-    tensors: &HashMap<String, Tensor>,
-    window: usize,
-    dtype: &str,
-) -> Result<ReferenceRun> {
+fn reference_run(tensors: &MmapedSafetensors, window: usize, dtype: &str) -> Result<ReferenceRun> {
     let prefix = format!("prompt{window}");
     Ok(ReferenceRun {
         greedy: ids(tensors, &format!("{prefix}.greedy_{dtype}"))?,
-        greedy_logits: rows(tensor(tensors, &format!("{prefix}.greedy_{dtype}_logits"))?)?,
-        teacher_logits: rows(tensor(
+        greedy_logits: rows(&tensor(
+            tensors,
+            &format!("{prefix}.greedy_{dtype}_logits"),
+        )?)?,
+        teacher_logits: rows(&tensor(
             tensors,
             &format!("{prefix}.teacher_{dtype}_logits"),
         )?)?,
@@ -93,16 +98,15 @@ fn reference_run(
 impl CorpusGolden {
     /// Loads the first `limit` windows (all when `None`).
     pub fn load(path: &Path, limit: Option<usize>) -> Result<CorpusGolden> {
-        let tensors = candle_core::safetensors::load(path, &Device::Cpu)
-            .with_context(|| format!("reading the golden file {}", path.display()))?;
+        let tensors = map(path)?;
         let mut windows = Vec::new();
         for i in 0..limit.unwrap_or(usize::MAX) {
-            if !tensors.contains_key(&format!("prompt{i}.ids")) {
+            if tensors.get(&format!("prompt{i}.ids")).is_err() {
                 break;
             }
             let ids = ids(&tensors, &format!("prompt{i}.ids"))?;
             let f32 = reference_run(&tensors, i, "f32")?;
-            let bf16 = if tensors.contains_key(&format!("prompt{i}.greedy_bf16")) {
+            let bf16 = if tensors.get(&format!("prompt{i}.greedy_bf16")).is_ok() {
                 Some(reference_run(&tensors, i, "bf16")?)
             } else {
                 None
