@@ -389,8 +389,21 @@ impl BerryLm {
             dtype,
             self.cfg.num_attention_heads,
         )?;
-        // The paged kernels mask continuation chunks themselves.
-        Ok(mask.filter(|_| paged.is_none_or(|p| p.metadata.is_first_prompt_chunk)))
+        let Some(paged) = paged else {
+            return Ok(mask);
+        };
+        // Under paged attention the mask is what tells a prompt from a decode
+        // step: without one, the host runs its decode kernel. A prompt of one
+        // new token (a prefix hit that left only the last token) still needs
+        // one, or that kernel reads the prompt's metadata as a decode batch's.
+        // The host builds the per-sequence causal masks of prefix hits itself.
+        if !paged.metadata.is_first_prompt_chunk {
+            return Ok(None);
+        }
+        match mask {
+            Some(mask) => Ok(Some(mask)),
+            None => Tensor::zeros((1, 1), dtype, &self.device).map(Some),
+        }
     }
 }
 

@@ -3,6 +3,7 @@
 //! same-length prompts the scheduler batches), a repeated prompt gives the
 //! cold-run tokens with prefix caching on, a conversation that extends an
 //! earlier finished one hits the prefix cache and gives the cold-run tokens,
+//! so does a prompt one token past a cached one,
 //! and a long request is not disturbed by others starting, finishing or being
 //! cancelled around it.
 
@@ -96,6 +97,40 @@ fn a_repeated_prompt_gives_the_cold_run_tokens_with_prefix_caching() -> Result<(
         fresh.complete(&shorter, 20)?
     };
     assert_eq!(server.complete(&shorter, 20)?, shorter_cold);
+    Ok(())
+}
+
+/// A prompt one token longer than a finished one: the prefix cache holds all of
+/// it but the last token (under paged attention two whole 32-token blocks and
+/// the recurrent state captured after them), so its prompt step runs a single
+/// token at position 64.
+#[test]
+fn a_prompt_one_token_past_a_cached_one_gives_the_cold_run_tokens() -> Result<()> {
+    let server = start()?;
+    let cached = prompt(5, 64);
+    let request = serde_json::json!({
+        "model": "default",
+        "prompt": cached,
+        "temperature": 0.0,
+        "max_tokens": 1,
+    });
+    let (status, response) = server.post("/v1/completions", &request)?;
+    anyhow::ensure!(status == 200, "HTTP {status}: {response}");
+    assert_eq!(response["usage"]["prompt_tokens"], 64, "{response}");
+
+    let extended = prompt(5, 65);
+    let warm = server.complete(&extended, 20)?;
+    assert!(
+        server
+            .log()
+            .contains("berrylm forward: 1 sequences x 1 tokens at positions [64]"),
+        "the extended prompt did not run as one token after a prefix hit"
+    );
+    let cold = {
+        let fresh = start()?;
+        fresh.complete(&extended, 20)?
+    };
+    assert_eq!(warm, cold);
     Ok(())
 }
 
