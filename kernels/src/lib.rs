@@ -44,6 +44,21 @@
 
 use candle_core::{DType, Device, Tensor};
 
+/// Runs an operation of this crate on `$device`, the device of its
+/// (validated) tensors: `$cpu` computes the CPU reference, `$cuda` (compiled
+/// with the `cuda` feature only) launches the CUDA kernels; any other device
+/// is [`KernelError::UnsupportedDevice`] of `$op`.
+macro_rules! on_device {
+    ($op:expr, $device:expr, $cpu:expr, $cuda:expr $(,)?) => {
+        match $device {
+            candle_core::Device::Cpu => $cpu,
+            #[cfg(feature = "cuda")]
+            candle_core::Device::Cuda(_) => $cuda,
+            other => Err($crate::unsupported_device($op, other)),
+        }
+    };
+}
+
 mod attn_res;
 mod conv;
 #[cfg(feature = "cuda")]
@@ -167,6 +182,62 @@ fn expect_dim(
             op,
             arg,
             format!("{what} is {actual}, expected {expected}"),
+        ))
+    }
+}
+
+/// Fails unless `size` is positive, describing the size by `what`.
+fn expect_positive(op: &'static str, arg: &'static str, what: &str, size: usize) -> Result<()> {
+    if size > 0 {
+        Ok(())
+    } else {
+        Err(invalid_argument(
+            op,
+            arg,
+            format!("{what} must be positive"),
+        ))
+    }
+}
+
+/// Fails unless `dims == expected`, naming the expected shape by `whose`
+/// ("the expected", "the shape of `x`").
+fn expect_shape(
+    op: &'static str,
+    arg: &'static str,
+    dims: &[usize],
+    expected: &[usize],
+    whose: &str,
+) -> Result<()> {
+    if dims == expected {
+        Ok(())
+    } else {
+        Err(invalid_argument(
+            op,
+            arg,
+            format!("shape {dims:?} differs from {whose} {expected:?}"),
+        ))
+    }
+}
+
+/// Fails unless `tensor` has dtype `expected`, naming whose dtype that is by
+/// `whose` ("the dtype of `x`", "the residual's").
+fn expect_same_dtype(
+    op: &'static str,
+    arg: &'static str,
+    tensor: &Tensor,
+    expected: DType,
+    whose: &str,
+) -> Result<()> {
+    if tensor.dtype() == expected {
+        Ok(())
+    } else {
+        Err(invalid_argument(
+            op,
+            arg,
+            format!(
+                "dtype {:?} differs from {whose} {expected:?}",
+                tensor.dtype()
+            ),
         ))
     }
 }
