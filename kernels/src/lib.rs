@@ -167,6 +167,21 @@ fn float_dims<const RANK: usize>(
     })
 }
 
+/// Fails with an invalid-argument error of `op` naming `arg` and giving
+/// `reason()` unless `holds`.
+fn ensure(
+    holds: bool,
+    op: &'static str,
+    arg: &'static str,
+    reason: impl FnOnce() -> String,
+) -> Result<()> {
+    if holds {
+        Ok(())
+    } else {
+        Err(invalid_argument(op, arg, reason()))
+    }
+}
+
 /// Fails unless `actual == expected`, describing the dimension by `what`.
 fn expect_dim(
     op: &'static str,
@@ -175,28 +190,14 @@ fn expect_dim(
     actual: usize,
     expected: usize,
 ) -> Result<()> {
-    if actual == expected {
-        Ok(())
-    } else {
-        Err(invalid_argument(
-            op,
-            arg,
-            format!("{what} is {actual}, expected {expected}"),
-        ))
-    }
+    ensure(actual == expected, op, arg, || {
+        format!("{what} is {actual}, expected {expected}")
+    })
 }
 
 /// Fails unless `size` is positive, describing the size by `what`.
 fn expect_positive(op: &'static str, arg: &'static str, what: &str, size: usize) -> Result<()> {
-    if size > 0 {
-        Ok(())
-    } else {
-        Err(invalid_argument(
-            op,
-            arg,
-            format!("{what} must be positive"),
-        ))
-    }
+    ensure(size > 0, op, arg, || format!("{what} must be positive"))
 }
 
 /// Fails unless `dims == expected`, naming the expected shape by `whose`
@@ -208,15 +209,9 @@ fn expect_shape(
     expected: &[usize],
     whose: &str,
 ) -> Result<()> {
-    if dims == expected {
-        Ok(())
-    } else {
-        Err(invalid_argument(
-            op,
-            arg,
-            format!("shape {dims:?} differs from {whose} {expected:?}"),
-        ))
-    }
+    ensure(dims == expected, op, arg, || {
+        format!("shape {dims:?} differs from {whose} {expected:?}")
+    })
 }
 
 /// Fails unless `tensor` has dtype `expected`, naming whose dtype that is by
@@ -228,18 +223,12 @@ fn expect_same_dtype(
     expected: DType,
     whose: &str,
 ) -> Result<()> {
-    if tensor.dtype() == expected {
-        Ok(())
-    } else {
-        Err(invalid_argument(
-            op,
-            arg,
-            format!(
-                "dtype {:?} differs from {whose} {expected:?}",
-                tensor.dtype()
-            ),
-        ))
-    }
+    ensure(tensor.dtype() == expected, op, arg, || {
+        format!(
+            "dtype {:?} differs from {whose} {expected:?}",
+            tensor.dtype()
+        )
+    })
 }
 
 /// Fails unless `tensor` lives on `device`.
@@ -249,19 +238,13 @@ fn expect_device(
     tensor: &Tensor,
     device: &Device,
 ) -> Result<()> {
-    if tensor.device().same_device(device) {
-        Ok(())
-    } else {
-        Err(invalid_argument(
-            op,
-            arg,
-            format!(
-                "is on device {:?}, expected {:?}",
-                tensor.device().location(),
-                device.location()
-            ),
-        ))
-    }
+    ensure(tensor.device().same_device(device), op, arg, || {
+        format!(
+            "is on device {:?}, expected {:?}",
+            tensor.device().location(),
+            device.location()
+        )
+    })
 }
 
 /// Copies `tensor` into a row-major `Vec<f32>` (exact for every supported

@@ -54,6 +54,7 @@ pub(crate) fn kda_recurrence(
     let state = launch.input_as("state", state, DType::F32)?;
     let state_shape = [dims.batch, dims.value_heads, dims.key_dim, dims.value_dim];
     let new_state = launch.output(&state_shape, DType::F32)?;
+    let state_rows = c_size(OP, "state", dims.batch)?;
     let outputs = launch.run(|p| {
         // SAFETY: as in `kda_gate`; sequence `b` reads row `b` of `state`
         // and writes row `b` of `new_state` (no slots: `B` rows).
@@ -63,7 +64,7 @@ pub(crate) fn kda_recurrence(
                 p.input(state),
                 p.output(new_state),
                 std::ptr::null(),
-                call.batch,
+                state_rows,
             )
         })
     })?;
@@ -103,12 +104,8 @@ struct RecurrenceCall {
     /// q, k, v, g, beta.
     inputs: [In; 5],
     out: Out,
-    batch: c_int,
-    seq_len: c_int,
-    key_heads: c_int,
-    value_heads: c_int,
-    key_dim: c_int,
-    value_dim: c_int,
+    /// `B`, `T`, `Hk`, `Hv`, `dk`, `dv`.
+    sizes: [c_int; 6],
     prefill_algorithm: c_int,
 }
 
@@ -143,12 +140,14 @@ impl RecurrenceCall {
             qkv_dtype: dtype_code(op, qkv_dtype)?,
             inputs,
             out: launch.output(&out_shape, DType::F32)?,
-            batch: c_size(op, "q", dims.batch)?,
-            seq_len: c_size(op, "q", dims.seq_len)?,
-            key_heads: c_size(op, "q", dims.key_heads)?,
-            value_heads: c_size(op, "v", dims.value_heads)?,
-            key_dim: c_size(op, "q", dims.key_dim)?,
-            value_dim: c_size(op, "v", dims.value_dim)?,
+            sizes: [
+                c_size(op, "q", dims.batch)?,
+                c_size(op, "q", dims.seq_len)?,
+                c_size(op, "q", dims.key_heads)?,
+                c_size(op, "v", dims.value_heads)?,
+                c_size(op, "q", dims.key_dim)?,
+                c_size(op, "v", dims.value_dim)?,
+            ],
             prefill_algorithm,
         })
     }
@@ -172,6 +171,7 @@ impl RecurrenceCall {
         state_rows: c_int,
     ) -> c_int {
         let [q, k, v, g, beta] = self.inputs;
+        let [batch, seq_len, key_heads, value_heads, key_dim, value_dim] = self.sizes;
         berrylm_kda_recurrence(
             self.qkv_dtype,
             p.input(q),
@@ -184,12 +184,12 @@ impl RecurrenceCall {
             slots,
             state_rows,
             p.output(self.out),
-            self.batch,
-            self.seq_len,
-            self.key_heads,
-            self.value_heads,
-            self.key_dim,
-            self.value_dim,
+            batch,
+            seq_len,
+            key_heads,
+            value_heads,
+            key_dim,
+            value_dim,
             self.prefill_algorithm,
             p.stream(),
         )
