@@ -60,6 +60,18 @@ struct History {
     long long state_base;  // index of state[r(b), c, 0]
     int channels;
     int kernel_size;
+    // The history of channel c of sequence b, whose state is row `row` of
+    // `state` ([rows, C, K]).
+    __device__ __forceinline__ static History of(const TX* x, const TS* state, int b, int c,
+                                                 long long row, int seq_len, int channels,
+                                                 int kernel_size) {
+        return History{x,
+                       state,
+                       static_cast<long long>(b) * seq_len * channels + c,
+                       (row * channels + c) * kernel_size,
+                       channels,
+                       kernel_size};
+    }
     __device__ __forceinline__ float operator()(int i) const {
         return i < kernel_size
                    ? berrylm::to_f32(state[state_base + i])
@@ -110,12 +122,7 @@ __global__ void __launch_bounds__(kThreads)
     const int t0 = blockIdx.y * kChunk;
     const int t1 = min(seq_len, t0 + kChunk);
     const int k = KC > 0 ? KC : kernel_size;
-    History<TX, TS> history{x,
-                            rows.state,
-                            static_cast<long long>(b) * seq_len * channels + c,
-                            (row * channels + c) * k,
-                            channels,
-                            k};
+    const auto history = History<TX, TS>::of(x, rows.state, b, c, row, seq_len, channels, k);
     const float* taps = weight + static_cast<long long>(c) * k;
     int group = 0;
     while (group + 1 < groups.count && c >= groups.start[group + 1]) ++group;
@@ -166,12 +173,8 @@ __global__ void __launch_bounds__(kThreads)
     const int b = blockIdx.y;
     const long long row = state_row(rows, b);
     if (row < 0) return;
-    const History<TX, TS> history{x,
-                                  rows.state,
-                                  static_cast<long long>(b) * seq_len * channels + c,
-                                  (row * channels + c) * kernel_size,
-                                  channels,
-                                  kernel_size};
+    const auto history =
+        History<TX, TS>::of(x, rows.state, b, c, row, seq_len, channels, kernel_size);
     write_new_state(history, rows.new_state + history.state_base, seq_len);
 }
 

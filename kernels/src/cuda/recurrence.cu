@@ -146,20 +146,7 @@ __global__ void __launch_bounds__(NW * 32)
 
         // Normalise q and k of each token in place (one warp per token).
         for (int tok = warp; tok < count; tok += NW) {
-            float q_sq = 0.0f, k_sq = 0.0f;
-            for (int c = lane; c < dk; c += 32) {
-                const float qc = sh_q[tok][c], kc = sh_k[tok][c];
-                q_sq += qc * qc;
-                k_sq += kc * kc;
-            }
-            q_sq = berrylm::warp_sum(q_sq);
-            k_sq = berrylm::warp_sum(k_sq);
-            const float q_inv = 1.0f / sqrtf(q_sq + kL2NormEps);
-            const float k_inv = 1.0f / sqrtf(k_sq + kL2NormEps);
-            for (int c = lane; c < dk; c += 32) {
-                sh_q[tok][c] = (sh_q[tok][c] * q_inv) * args.query_scale;
-                sh_k[tok][c] = sh_k[tok][c] * k_inv;
-            }
+            l2_normalize_qk(sh_q[tok], sh_k[tok], dk, lane, args.query_scale);
         }
         __syncthreads();
 
@@ -266,15 +253,8 @@ __global__ void __launch_bounds__(kRowsWarps * 32, 2)
     const float beta = args.beta[head];
     __syncthreads();
 
-    float q_sq = 0.0f, k_sq = 0.0f;
-    for (int c = lane; c < dk; c += 32) {
-        q_sq += sh_q[c] * sh_q[c];
-        k_sq += sh_k[c] * sh_k[c];
-    }
-    q_sq = berrylm::warp_sum(q_sq);
-    k_sq = berrylm::warp_sum(k_sq);
-    const float q_inv = 1.0f / sqrtf(q_sq + kL2NormEps);
-    const float k_inv = 1.0f / sqrtf(k_sq + kL2NormEps);
+    const float2 inv = inverse_l2_norms(sh_q, sh_k, dk, lane);
+    const float q_inv = inv.x, k_inv = inv.y;
 
     float4 u = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
