@@ -75,13 +75,7 @@ pub(crate) struct KdaGateArgs<'a> {
 }
 
 fn cpu_kda_gate(args: &KdaGateArgs<'_>) -> Result<Tensor> {
-    let &KdaGateArgs {
-        tokens,
-        num_heads,
-        head_dim,
-        lower_bound,
-        ..
-    } = args;
+    let (tokens, num_heads, head_dim) = (args.tokens, args.num_heads, args.head_dim);
     let raw = to_f32_vec(args.raw)?;
     let a_log = to_f32_vec(args.a_log)?;
     let dt_bias = to_f32_vec(args.dt_bias)?;
@@ -91,7 +85,7 @@ fn cpu_kda_gate(args: &KdaGateArgs<'_>) -> Result<Tensor> {
         for (channel, &value) in token_row.iter().enumerate() {
             let decay_rate = -a_log[channel / head_dim].exp();
             let unclamped = decay_rate * softplus(value + dt_bias[channel]);
-            gate.push(match lower_bound {
+            gate.push(match args.lower_bound {
                 Some(bound) if unclamped < bound => bound,
                 _ => unclamped,
             });

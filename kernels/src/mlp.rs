@@ -141,42 +141,34 @@ pub(crate) struct AddMoeOutputArgs<'a> {
 }
 
 fn cpu_add_moe_output(args: &AddMoeOutputArgs<'_>) -> Result<Tensor> {
-    let &AddMoeOutputArgs {
-        residual,
-        routed,
-        shared,
-        gate_logit,
-        hidden,
-    } = args;
-    let dtype = residual.dtype();
-    let dims = residual.dims().to_vec();
+    let dtype = args.residual.dtype();
     let gates = round_to_dtype(
-        to_f32_vec(gate_logit)?
+        to_f32_vec(args.gate_logit)?
             .into_iter()
             .map(|logit| 1.0 / (1.0 + (-logit).exp()))
             .collect(),
         dtype,
     )?;
     let gated = round_to_dtype(
-        to_f32_vec(shared)?
-            .chunks_exact(hidden)
+        to_f32_vec(args.shared)?
+            .chunks_exact(args.hidden)
             .zip(&gates)
             .flat_map(|(row, &gate)| row.iter().map(move |&value| gate * value))
             .collect(),
         dtype,
     )?;
     let moe = round_to_dtype(
-        to_f32_vec(routed)?
+        to_f32_vec(args.routed)?
             .into_iter()
             .zip(gated)
             .map(|(routed, shared)| routed + shared)
             .collect(),
         dtype,
     )?;
-    let out = to_f32_vec(residual)?
+    let out = to_f32_vec(args.residual)?
         .into_iter()
         .zip(moe)
         .map(|(residual, moe)| residual + moe)
         .collect();
-    tensor_from_f32(out, &dims, dtype)
+    tensor_from_f32(out, args.residual.dims(), dtype)
 }

@@ -65,19 +65,12 @@ pub(crate) struct GatedRmsNormArgs<'a> {
 }
 
 fn cpu_gated_rms_norm(args: &GatedRmsNormArgs<'_>) -> Result<Tensor> {
-    let &GatedRmsNormArgs {
-        x,
-        z,
-        weight,
-        eps,
-        rows,
-        width,
-    } = args;
-    let dtype = x.dtype();
-    let x = to_f32_vec(x)?;
-    let z = to_f32_vec(z)?;
-    let weight = to_f32_vec(weight)?;
-    let eps = eps as f32;
+    let (rows, width) = (args.rows, args.width);
+    let dtype = args.x.dtype();
+    let x = to_f32_vec(args.x)?;
+    let z = to_f32_vec(args.z)?;
+    let weight = to_f32_vec(args.weight)?;
+    let eps = args.eps as f32;
 
     let mut normalized = Vec::with_capacity(x.len());
     for row in x.chunks_exact(width) {

@@ -104,15 +104,10 @@ pub(crate) struct NormRopeArgs<'a> {
 }
 
 fn cpu_offset_rms_norm_rope(args: &NormRopeArgs<'_>) -> Result<Tensor> {
-    let &NormRopeArgs {
-        x,
-        scale,
-        eps,
-        cos,
-        sin,
-        rotary,
-    } = args;
-    let normed = cpu_offset_rms_norm(x, scale, eps)?;
+    let NormRopeArgs {
+        cos, sin, rotary, ..
+    } = *args;
+    let normed = cpu_offset_rms_norm(args.x, args.scale, args.eps)?;
     let width = normed.dim(D::Minus1)?;
     let half = rotary / 2;
     let rotated = normed.narrow(D::Minus1, 0, rotary)?;

@@ -93,15 +93,8 @@ pub(crate) struct MoeRouteArgs<'a> {
 }
 
 fn cpu_moe_route(args: &MoeRouteArgs<'_>) -> Result<(Tensor, Tensor)> {
-    let &MoeRouteArgs {
-        router_logits,
-        rows,
-        experts,
-        top_k,
-        renormalize,
-        weight_dtype,
-    } = args;
-    let logits = to_f32_vec(router_logits)?;
+    let (rows, experts, top_k) = (args.rows, args.experts, args.top_k);
+    let logits = to_f32_vec(args.router_logits)?;
     let mut weights = Vec::with_capacity(rows * top_k);
     let mut ids = Vec::with_capacity(rows * top_k);
     let mut probs = vec![0f32; experts];
@@ -111,11 +104,11 @@ fn cpu_moe_route(args: &MoeRouteArgs<'_>) -> Result<(Tensor, Tensor)> {
         let total: f32 = chosen.iter().map(|&expert| probs[expert]).sum();
         for expert in chosen {
             let prob = probs[expert];
-            weights.push(if renormalize { prob / total } else { prob });
+            weights.push(if args.renormalize { prob / total } else { prob });
             ids.push(expert as u32);
         }
     }
-    let weights = round_to_dtype(weights, weight_dtype)?;
+    let weights = round_to_dtype(weights, args.weight_dtype)?;
     Ok((
         Tensor::from_vec(weights, (rows, top_k), &Device::Cpu)?,
         Tensor::from_vec(ids, (rows, top_k), &Device::Cpu)?,

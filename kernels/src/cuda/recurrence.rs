@@ -203,12 +203,7 @@ fn check_recurrence_limits(
     dims: &RecurrenceDims,
     algorithm: KdaPrefillAlgorithm,
 ) -> Result<c_int> {
-    let RecurrenceDims {
-        batch,
-        value_heads,
-        key_dim,
-        ..
-    } = *dims;
+    let (batch, value_heads, key_dim) = (dims.batch, dims.value_heads, dims.key_dim);
     // SAFETY: a plain query of a constant.
     let max_key_dim = unsafe { berrylm_kda_recurrence_max_key_dim() } as usize;
     if key_dim > max_key_dim {
