@@ -17,6 +17,16 @@ fn inputs(seed: u64) -> Result<(Tensor, Tensor, Tensor)> {
     Ok((x, z, weight))
 }
 
+/// [`inputs`] of `seed`, converted to `dtype`.
+fn inputs_in(seed: u64, dtype: DType) -> Result<(Tensor, Tensor, Tensor)> {
+    let (x, z, weight) = inputs(seed)?;
+    Ok((
+        x.to_dtype(dtype)?,
+        z.to_dtype(dtype)?,
+        weight.to_dtype(dtype)?,
+    ))
+}
+
 fn reference(x: &Tensor, z: &Tensor, weight: &Tensor) -> Result<Vec<f64>> {
     let x = f64_values(x)?;
     let z = f64_values(z)?;
@@ -44,13 +54,8 @@ fn f32_matches_f64_reference() -> Result<()> {
 
 #[test]
 fn half_precision_is_within_tolerance_of_f64_reference() -> Result<()> {
-    let (x, z, weight) = inputs(2)?;
     for dtype in [DType::BF16, DType::F16] {
-        let (x, z, weight) = (
-            x.to_dtype(dtype)?,
-            z.to_dtype(dtype)?,
-            weight.to_dtype(dtype)?,
-        );
+        let (x, z, weight) = inputs_in(2, dtype)?;
         let y = gated_rms_norm(&x, &z, &weight, EPS)?;
         assert_eq!(y.dtype(), dtype);
         assert_close(&f32_values(&y)?, &reference(&x, &z, &weight)?, 1e-2, 2e-2);
@@ -63,13 +68,8 @@ fn half_precision_is_within_tolerance_of_f64_reference() -> Result<()> {
 /// `dtype`, `y = (wn_f32 * silu(z_f32)).to(dtype)`.
 #[test]
 fn half_precision_rounds_like_the_reference_chain() -> Result<()> {
-    let (x, z, weight) = inputs(3)?;
     for dtype in [DType::BF16, DType::F16] {
-        let (x, z, weight) = (
-            x.to_dtype(dtype)?,
-            z.to_dtype(dtype)?,
-            weight.to_dtype(dtype)?,
-        );
+        let (x, z, weight) = inputs_in(3, dtype)?;
         let x_f32 = x.to_dtype(DType::F32)?;
         let inv_rms = (x_f32.sqr()?.mean_keepdim(D::Minus1)? + EPS)?
             .sqrt()?
