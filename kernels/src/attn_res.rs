@@ -1,10 +1,10 @@
 //! Gated Block AttnRes depth mixing (spec 3.4).
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 
 use crate::{
-    expect_device, expect_dim, float_dims, invalid_argument, round_to_dtype, tensor_from_f32,
-    to_f32_vec, unsupported_device, Result,
+    expect_device, expect_dim, expect_positive, float_dims, invalid_argument, round_to_dtype,
+    tensor_from_f32, to_f32_vec, Result,
 };
 
 const OP: &str = "attn_res_mix";
@@ -40,13 +40,7 @@ pub fn attn_res_mix(
         ));
     };
     let [tokens, hidden] = float_dims::<2>(OP, "sources", current)?;
-    if hidden == 0 {
-        return Err(invalid_argument(
-            OP,
-            "sources",
-            "hidden size (dim 1) must be positive".to_string(),
-        ));
-    }
+    expect_positive(OP, "sources", "hidden size (dim 1)", hidden)?;
     let device = current.device();
     for (index, source) in sources.iter().enumerate() {
         let source_dims = float_dims::<2>(OP, "sources", source)?;
@@ -65,19 +59,19 @@ pub fn attn_res_mix(
     let [query_len] = float_dims::<1>(OP, "pseudo_query", pseudo_query)?;
     expect_dim(OP, "pseudo_query", "length", query_len, hidden)?;
     expect_device(OP, "pseudo_query", pseudo_query, device)?;
-    match device {
-        Device::Cpu => cpu_attn_res_mix(sources, pseudo_query, gate, eps, tokens, hidden),
-        #[cfg(feature = "cuda")]
-        Device::Cuda(_) => {
+    on_device!(
+        OP,
+        device,
+        cpu_attn_res_mix(sources, pseudo_query, gate, eps, tokens, hidden),
+        {
             // `t = tanh(g)` in f32, rounded to the dtype of x, as on the CPU.
             let strength = match gate {
                 Some(gate) => Some(round_to_dtype(vec![gate.tanh()], current.dtype())?[0]),
                 None => None,
             };
             crate::cuda::attn_res_mix(sources, pseudo_query, strength, eps, tokens, hidden)
-        }
-        other => Err(unsupported_device(OP, other)),
-    }
+        },
+    )
 }
 
 fn cpu_attn_res_mix(

@@ -1,11 +1,10 @@
 //! Depthwise causal short convolution with SiLU (spec 3.6 step 4 and section 4).
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 
-use crate::recurrence::{expect_cpu_slots, validate_slots};
 use crate::{
-    expect_device, expect_dim, float_dims, invalid_argument, round_to_dtype, silu, tensor_from_f32,
-    to_f32_vec, unsupported_device, Result, StatePool,
+    expect_device, expect_dim, expect_positive, float_dims, invalid_argument, round_to_dtype, silu,
+    tensor_from_f32, to_f32_vec, Result, StatePool,
 };
 
 const OP: &str = "causal_conv1d";
@@ -15,11 +14,11 @@ const OP: &str = "causal_conv1d";
 pub const MAX_CONV_OUTPUT_GROUPS: usize = 4;
 
 /// Sizes of one `causal_conv1d` call.
-struct ConvDims {
-    batch: usize,
-    seq_len: usize,
-    channels: usize,
-    kernel_size: usize,
+pub(crate) struct ConvDims {
+    pub batch: usize,
+    pub seq_len: usize,
+    pub channels: usize,
+    pub kernel_size: usize,
 }
 
 /// Depthwise causal convolution without bias, followed by SiLU.
@@ -62,40 +61,18 @@ pub fn causal_conv1d_split(
     widths: &[usize],
 ) -> Result<(Vec<Tensor>, Tensor)> {
     let dims = validate(x, weight, widths)?;
-    let [state_batch, state_channels, state_columns] = float_dims::<3>(OP, "state", state)?;
+    let state_batch = validate_state_rows("state", state, &dims)?;
     expect_dim(OP, "state", "batch size (dim 0)", state_batch, dims.batch)?;
-    expect_dim(
-        OP,
-        "state",
-        "channel count (dim 1)",
-        state_channels,
-        dims.channels,
-    )?;
-    expect_dim(
-        OP,
-        "state",
-        "column count (dim 2)",
-        state_columns,
-        dims.kernel_size,
-    )?;
     expect_device(OP, "state", state, x.device())?;
-    match x.device() {
-        Device::Cpu => {
+    on_device!(
+        OP,
+        x.device(),
+        {
             let (output, new_state) = cpu_causal_conv1d(x, weight, state, &dims)?;
             Ok((split_channels(&output, widths)?, new_state))
-        }
-        #[cfg(feature = "cuda")]
-        Device::Cuda(_) => crate::cuda::causal_conv1d(
-            x,
-            weight,
-            state,
-            widths,
-            dims.batch,
-            dims.seq_len,
-            dims.kernel_size,
-        ),
-        other => Err(unsupported_device(OP, other)),
-    }
+        },
+        crate::cuda::causal_conv1d(x, weight, state, widths, &dims),
+    )
 }
 
 /// [`causal_conv1d_split`] for `B` sequences whose states are rows
@@ -129,52 +106,18 @@ pub fn causal_conv1d_split_in_pool(
     pool: StatePool<'_>,
     widths: &[usize],
 ) -> Result<Vec<Tensor>> {
-    let StatePool {
-        states,
-        slots,
-        host_slots,
-    } = pool;
     let dims = validate(x, weight, widths)?;
-    let [pool_rows, pool_channels, pool_columns] = float_dims::<3>(OP, "pool", states)?;
-    expect_dim(
+    let pool_rows = validate_state_rows("pool", pool.states, &dims)?;
+    pool.validate(OP, pool_rows, dims.batch, x.device())?;
+    on_device!(
         OP,
-        "pool",
-        "channel count (dim 1)",
-        pool_channels,
-        dims.channels,
-    )?;
-    expect_dim(
-        OP,
-        "pool",
-        "column count (dim 2)",
-        pool_columns,
-        dims.kernel_size,
-    )?;
-    if !states.is_contiguous() {
-        return Err(invalid_argument(
-            OP,
-            "pool",
-            "must be contiguous (it is updated in place)".to_string(),
-        ));
-    }
-    validate_slots(OP, slots, host_slots, pool_rows, dims.batch)?;
-    for (arg, tensor) in [("pool", states), ("slots", slots)] {
-        expect_device(OP, arg, tensor, x.device())?;
-    }
-    match x.device() {
-        Device::Cpu => {
-            expect_cpu_slots(OP, slots, host_slots)?;
-            let state = states.index_select(slots, 0)?;
-            let (output, new_state) = cpu_causal_conv1d(x, weight, &state, &dims)?;
-            for (row, &slot) in host_slots.iter().enumerate() {
-                states.slice_set(&new_state.narrow(0, row, 1)?, 0, slot as usize)?;
-            }
-            split_channels(&output, widths)
-        }
-        #[cfg(feature = "cuda")]
-        Device::Cuda(_) => crate::cuda::causal_conv1d_in_pool(x, weight, states, slots, widths),
-        other => Err(unsupported_device(OP, other)),
-    }
+        x.device(),
+        split_channels(
+            &pool.cpu_update(OP, |state| cpu_causal_conv1d(x, weight, state, &dims))?,
+            widths,
+        ),
+        crate::cuda::causal_conv1d_in_pool(x, weight, pool, widths, &dims),
+    )
 }
 
 /// Validates `x`, `weight` and `widths` of a convolution call and returns
@@ -196,13 +139,7 @@ fn validate(x: &Tensor, weight: &Tensor, widths: &[usize]) -> Result<ConvDims> {
         ));
     }
     let [weight_channels, kernel_size] = float_dims::<2>(OP, "weight", weight)?;
-    if kernel_size == 0 {
-        return Err(invalid_argument(
-            OP,
-            "weight",
-            "kernel size (dim 1) must be positive".to_string(),
-        ));
-    }
+    expect_positive(OP, "weight", "kernel size (dim 1)", kernel_size)?;
     expect_dim(
         OP,
         "weight",
@@ -217,6 +154,15 @@ fn validate(x: &Tensor, weight: &Tensor, widths: &[usize]) -> Result<ConvDims> {
         channels,
         kernel_size,
     })
+}
+
+/// Validates conv states `[rows, C, K]` of any float dtype (`arg`: `state`
+/// or `pool`) for a call of sizes `dims` and returns their row count.
+fn validate_state_rows(arg: &'static str, states: &Tensor, dims: &ConvDims) -> Result<usize> {
+    let [rows, channels, columns] = float_dims::<3>(OP, arg, states)?;
+    expect_dim(OP, arg, "channel count (dim 1)", channels, dims.channels)?;
+    expect_dim(OP, arg, "column count (dim 2)", columns, dims.kernel_size)?;
+    Ok(rows)
 }
 
 /// The CPU output `[B, T, C]` as one contiguous `[B, T, width]` tensor per

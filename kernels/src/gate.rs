@@ -1,10 +1,9 @@
 //! KDA forget gate and write strength (spec 3.6 step 3).
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 
 use crate::{
-    expect_device, expect_dim, float_dims, invalid_argument, tensor_from_f32, to_f32_vec,
-    unsupported_device, Result,
+    expect_device, expect_dim, float_dims, invalid_argument, tensor_from_f32, to_f32_vec, Result,
 };
 
 const OP: &str = "kda_gate";
@@ -46,50 +45,47 @@ pub fn kda_gate(
     let device = raw.device();
     expect_device(OP, "a_log", a_log, device)?;
     expect_device(OP, "dt_bias", dt_bias, device)?;
-    let head_dim = width / num_heads;
-    match device {
-        Device::Cpu => cpu_kda_gate(
-            raw,
-            a_log,
-            dt_bias,
-            tokens,
-            num_heads,
-            head_dim,
-            lower_bound,
-        ),
-        #[cfg(feature = "cuda")]
-        Device::Cuda(_) => crate::cuda::kda_gate(
-            raw,
-            a_log,
-            dt_bias,
-            tokens,
-            num_heads,
-            head_dim,
-            lower_bound,
-        ),
-        other => Err(unsupported_device(OP, other)),
-    }
+    let args = KdaGateArgs {
+        raw,
+        a_log,
+        dt_bias,
+        tokens,
+        num_heads,
+        head_dim: width / num_heads,
+        lower_bound,
+    };
+    on_device!(
+        OP,
+        device,
+        cpu_kda_gate(&args),
+        crate::cuda::kda_gate(&args),
+    )
 }
 
-fn cpu_kda_gate(
-    raw: &Tensor,
-    a_log: &Tensor,
-    dt_bias: &Tensor,
-    tokens: usize,
-    num_heads: usize,
-    head_dim: usize,
-    lower_bound: Option<f32>,
-) -> Result<Tensor> {
-    let raw = to_f32_vec(raw)?;
-    let a_log = to_f32_vec(a_log)?;
-    let dt_bias = to_f32_vec(dt_bias)?;
+/// The validated arguments of a [`kda_gate`] call and its sizes: `raw`
+/// `[tokens, num_heads * head_dim]`.
+pub(crate) struct KdaGateArgs<'a> {
+    pub raw: &'a Tensor,
+    pub a_log: &'a Tensor,
+    pub dt_bias: &'a Tensor,
+    pub tokens: usize,
+    pub num_heads: usize,
+    pub head_dim: usize,
+    pub lower_bound: Option<f32>,
+}
+
+fn cpu_kda_gate(args: &KdaGateArgs<'_>) -> Result<Tensor> {
+    let (tokens, num_heads, head_dim) = (args.tokens, args.num_heads, args.head_dim);
+    let raw = to_f32_vec(args.raw)?;
+    let a_log = to_f32_vec(args.a_log)?;
+    let dt_bias = to_f32_vec(args.dt_bias)?;
     let width = num_heads * head_dim;
     let mut gate = Vec::with_capacity(raw.len());
     for token_row in raw.chunks_exact(width) {
         for (channel, &value) in token_row.iter().enumerate() {
             let decay_rate = -a_log[channel / head_dim].exp();
             let unclamped = decay_rate * softplus(value + dt_bias[channel]);
-            gate.push(match lower_bound {
+            gate.push(match args.lower_bound {
                 Some(bound) if unclamped < bound => bound,
                 _ => unclamped,
             });
@@ -116,16 +112,16 @@ fn softplus(x: f32) -> f32 {
 /// Returns a tensor of the shape of `b` in `f32`, one launch on CUDA.
 pub fn kda_beta(b: &Tensor) -> Result<Tensor> {
     crate::expect_float_dtype(BETA_OP, "b", b.dtype())?;
-    match b.device() {
-        Device::Cpu => {
+    on_device!(
+        BETA_OP,
+        b.device(),
+        {
             let beta = to_f32_vec(b)?
                 .into_iter()
                 .map(|x| 1.0 / ((-x).exp() + 1.0))
                 .collect();
             tensor_from_f32(beta, b.dims(), DType::F32)
-        }
-        #[cfg(feature = "cuda")]
-        Device::Cuda(_) => crate::cuda::kda_beta(b),
-        other => Err(unsupported_device(BETA_OP, other)),
-    }
+        },
+        crate::cuda::kda_beta(b),
+    )
 }

@@ -1,10 +1,10 @@
 //! The output gate of the gated full attention (spec 3.5 step 5).
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 
 use crate::{
-    expect_device, float_dims, invalid_argument, round_to_dtype, tensor_from_f32, to_f32_vec,
-    unsupported_device, Result,
+    expect_device, expect_same_dtype, expect_shape, float_dims, round_to_dtype, tensor_from_f32,
+    to_f32_vec, Result,
 };
 
 const OP: &str = "sigmoid_gate_mul";
@@ -31,32 +31,16 @@ const OP: &str = "sigmoid_gate_mul";
 pub fn sigmoid_gate_mul(x: &Tensor, gate: &Tensor) -> Result<Tensor> {
     let dims = float_dims::<4>(OP, "x", x)?;
     let gate_dims = float_dims::<4>(OP, "gate", gate)?;
-    if gate_dims != dims {
-        return Err(invalid_argument(
-            OP,
-            "gate",
-            format!("shape {gate_dims:?} differs from the shape of `x` {dims:?}"),
-        ));
-    }
-    if gate.dtype() != x.dtype() {
-        return Err(invalid_argument(
-            OP,
-            "gate",
-            format!(
-                "dtype {:?} differs from the dtype of `x` {:?}",
-                gate.dtype(),
-                x.dtype()
-            ),
-        ));
-    }
+    expect_shape(OP, "gate", &gate_dims, &dims, "the shape of `x`")?;
+    expect_same_dtype(OP, "gate", gate, x.dtype(), "the dtype of `x`")?;
     let device = x.device();
     expect_device(OP, "gate", gate, device)?;
-    match device {
-        Device::Cpu => cpu_sigmoid_gate_mul(x, gate, &dims),
-        #[cfg(feature = "cuda")]
-        Device::Cuda(_) => crate::cuda::sigmoid_gate_mul(x, gate, &dims),
-        other => Err(unsupported_device(OP, other)),
-    }
+    on_device!(
+        OP,
+        device,
+        cpu_sigmoid_gate_mul(x, gate, &dims),
+        crate::cuda::sigmoid_gate_mul(x, gate, &dims),
+    )
 }
 
 fn cpu_sigmoid_gate_mul(x: &Tensor, gate: &Tensor, dims: &[usize]) -> Result<Tensor> {

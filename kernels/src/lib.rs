@@ -44,6 +44,21 @@
 
 use candle_core::{DType, Device, Tensor};
 
+/// Runs an operation of this crate on `$device`, the device of its
+/// (validated) tensors: `$cpu` computes the CPU reference, `$cuda` (compiled
+/// with the `cuda` feature only) launches the CUDA kernels; any other device
+/// is [`KernelError::UnsupportedDevice`] of `$op`.
+macro_rules! on_device {
+    ($op:expr, $device:expr, $cpu:expr, $cuda:expr $(,)?) => {
+        match $device {
+            candle_core::Device::Cpu => $cpu,
+            #[cfg(feature = "cuda")]
+            candle_core::Device::Cuda(_) => $cuda,
+            other => Err($crate::unsupported_device($op, other)),
+        }
+    };
+}
+
 mod attn_res;
 mod conv;
 #[cfg(feature = "cuda")]
@@ -152,6 +167,21 @@ fn float_dims<const RANK: usize>(
     })
 }
 
+/// Fails with an invalid-argument error of `op` naming `arg` and giving
+/// `reason()` unless `holds`.
+fn ensure(
+    holds: bool,
+    op: &'static str,
+    arg: &'static str,
+    reason: impl FnOnce() -> String,
+) -> Result<()> {
+    if holds {
+        Ok(())
+    } else {
+        Err(invalid_argument(op, arg, reason()))
+    }
+}
+
 /// Fails unless `actual == expected`, describing the dimension by `what`.
 fn expect_dim(
     op: &'static str,
@@ -160,15 +190,45 @@ fn expect_dim(
     actual: usize,
     expected: usize,
 ) -> Result<()> {
-    if actual == expected {
-        Ok(())
-    } else {
-        Err(invalid_argument(
-            op,
-            arg,
-            format!("{what} is {actual}, expected {expected}"),
-        ))
-    }
+    ensure(actual == expected, op, arg, || {
+        format!("{what} is {actual}, expected {expected}")
+    })
+}
+
+/// Fails unless `size` is positive, describing the size by `what`.
+fn expect_positive(op: &'static str, arg: &'static str, what: &str, size: usize) -> Result<()> {
+    ensure(size > 0, op, arg, || format!("{what} must be positive"))
+}
+
+/// Fails unless `dims == expected`, naming the expected shape by `whose`
+/// ("the expected", "the shape of `x`").
+fn expect_shape(
+    op: &'static str,
+    arg: &'static str,
+    dims: &[usize],
+    expected: &[usize],
+    whose: &str,
+) -> Result<()> {
+    ensure(dims == expected, op, arg, || {
+        format!("shape {dims:?} differs from {whose} {expected:?}")
+    })
+}
+
+/// Fails unless `tensor` has dtype `expected`, naming whose dtype that is by
+/// `whose` ("the dtype of `x`", "the residual's").
+fn expect_same_dtype(
+    op: &'static str,
+    arg: &'static str,
+    tensor: &Tensor,
+    expected: DType,
+    whose: &str,
+) -> Result<()> {
+    ensure(tensor.dtype() == expected, op, arg, || {
+        format!(
+            "dtype {:?} differs from {whose} {expected:?}",
+            tensor.dtype()
+        )
+    })
 }
 
 /// Fails unless `tensor` lives on `device`.
@@ -178,19 +238,13 @@ fn expect_device(
     tensor: &Tensor,
     device: &Device,
 ) -> Result<()> {
-    if tensor.device().same_device(device) {
-        Ok(())
-    } else {
-        Err(invalid_argument(
-            op,
-            arg,
-            format!(
-                "is on device {:?}, expected {:?}",
-                tensor.device().location(),
-                device.location()
-            ),
-        ))
-    }
+    ensure(tensor.device().same_device(device), op, arg, || {
+        format!(
+            "is on device {:?}, expected {:?}",
+            tensor.device().location(),
+            device.location()
+        )
+    })
 }
 
 /// Copies `tensor` into a row-major `Vec<f32>` (exact for every supported

@@ -2,11 +2,11 @@
 //! an expert and the gated shared expert added to the routed output and to
 //! the residual stream, each with the reference's rounding points.
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 
 use crate::{
-    expect_device, expect_float_dtype, invalid_argument, round_to_dtype, silu, tensor_from_f32,
-    to_f32_vec, unsupported_device, Result,
+    expect_device, expect_float_dtype, expect_same_dtype, expect_shape, invalid_argument,
+    round_to_dtype, silu, tensor_from_f32, to_f32_vec, Result,
 };
 
 const SWIGLU_OP: &str = "swiglu";
@@ -43,12 +43,12 @@ pub fn swiglu(gate_up: &Tensor) -> Result<Tensor> {
     let mut out_dims = gate_up.dims().to_vec();
     let intermediate = width / 2;
     *out_dims.last_mut().expect("rank checked above") = intermediate;
-    match gate_up.device() {
-        Device::Cpu => cpu_swiglu(gate_up, intermediate, &out_dims),
-        #[cfg(feature = "cuda")]
-        Device::Cuda(_) => crate::cuda::swiglu(gate_up, intermediate, &out_dims),
-        other => Err(unsupported_device(SWIGLU_OP, other)),
-    }
+    on_device!(
+        SWIGLU_OP,
+        gate_up.device(),
+        cpu_swiglu(gate_up, intermediate, &out_dims),
+        crate::cuda::swiglu(gate_up, intermediate, &out_dims),
+    )
 }
 
 fn cpu_swiglu(gate_up: &Tensor, intermediate: usize, out_dims: &[usize]) -> Result<Tensor> {
@@ -111,74 +111,64 @@ pub fn add_moe_output(
         ("shared", shared, [rows, hidden]),
         ("gate_logit", gate_logit, [rows, 1]),
     ] {
-        if tensor.dims() != dims {
-            return Err(invalid_argument(
-                ADD_MOE_OP,
-                arg,
-                format!(
-                    "shape {:?} differs from the expected {dims:?}",
-                    tensor.dims()
-                ),
-            ));
-        }
-        if tensor.dtype() != dtype {
-            return Err(invalid_argument(
-                ADD_MOE_OP,
-                arg,
-                format!(
-                    "dtype {:?} differs from the residual's {dtype:?}",
-                    tensor.dtype()
-                ),
-            ));
-        }
+        expect_shape(ADD_MOE_OP, arg, tensor.dims(), &dims, "the expected")?;
+        expect_same_dtype(ADD_MOE_OP, arg, tensor, dtype, "the residual's")?;
         expect_device(ADD_MOE_OP, arg, tensor, device)?;
     }
-    match device {
-        Device::Cpu => cpu_add_moe_output(residual, routed, shared, gate_logit, hidden),
-        #[cfg(feature = "cuda")]
-        Device::Cuda(_) => {
-            crate::cuda::add_moe_output(residual, routed, shared, gate_logit, hidden)
-        }
-        other => Err(unsupported_device(ADD_MOE_OP, other)),
-    }
+    let args = AddMoeOutputArgs {
+        residual,
+        routed,
+        shared,
+        gate_logit,
+        hidden,
+    };
+    on_device!(
+        ADD_MOE_OP,
+        device,
+        cpu_add_moe_output(&args),
+        crate::cuda::add_moe_output(&args),
+    )
 }
 
-fn cpu_add_moe_output(
-    residual: &Tensor,
-    routed: &Tensor,
-    shared: &Tensor,
-    gate_logit: &Tensor,
-    hidden: usize,
-) -> Result<Tensor> {
-    let dtype = residual.dtype();
-    let dims = residual.dims().to_vec();
+/// The validated arguments of an [`add_moe_output`] call: all four of one
+/// dtype, `[N, hidden]` and `[N, 1]`.
+pub(crate) struct AddMoeOutputArgs<'a> {
+    pub residual: &'a Tensor,
+    pub routed: &'a Tensor,
+    pub shared: &'a Tensor,
+    pub gate_logit: &'a Tensor,
+    pub hidden: usize,
+}
+
+fn cpu_add_moe_output(args: &AddMoeOutputArgs<'_>) -> Result<Tensor> {
+    let dtype = args.residual.dtype();
     let gates = round_to_dtype(
-        to_f32_vec(gate_logit)?
+        to_f32_vec(args.gate_logit)?
             .into_iter()
             .map(|logit| 1.0 / (1.0 + (-logit).exp()))
             .collect(),
         dtype,
     )?;
     let gated = round_to_dtype(
-        to_f32_vec(shared)?
-            .chunks_exact(hidden)
+        to_f32_vec(args.shared)?
+            .chunks_exact(args.hidden)
             .zip(&gates)
             .flat_map(|(row, &gate)| row.iter().map(move |&value| gate * value))
             .collect(),
         dtype,
     )?;
     let moe = round_to_dtype(
-        to_f32_vec(routed)?
+        to_f32_vec(args.routed)?
             .into_iter()
             .zip(gated)
             .map(|(routed, shared)| routed + shared)
             .collect(),
         dtype,
     )?;
-    let out = to_f32_vec(residual)?
+    let out = to_f32_vec(args.residual)?
         .into_iter()
         .zip(moe)
         .map(|(residual, moe)| residual + moe)
         .collect();
-    tensor_from_f32(out, &dims, dtype)
+    tensor_from_f32(out, args.residual.dims(), dtype)
 }

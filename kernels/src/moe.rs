@@ -4,11 +4,11 @@
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 
-use candle_core::{DType, Device, IndexOp, Tensor};
+use candle_core::{DType, IndexOp, Tensor};
 
 use crate::{
-    expect_device, float_dims, invalid_argument, round_to_dtype, silu, tensor_from_f32, to_f32_vec,
-    unsupported_device, Result,
+    expect_device, expect_same_dtype, float_dims, invalid_argument, round_to_dtype, silu,
+    tensor_from_f32, to_f32_vec, Result,
 };
 
 const OP: &str = "moe_experts";
@@ -94,17 +94,7 @@ pub fn moe_experts(
         }
     }
     for (arg, tensor) in [("gate_up", gate_up), ("down", down)] {
-        if tensor.dtype() != x.dtype() {
-            return Err(invalid_argument(
-                OP,
-                arg,
-                format!(
-                    "dtype {:?} differs from the activations' {:?}",
-                    tensor.dtype(),
-                    x.dtype()
-                ),
-            ));
-        }
+        expect_same_dtype(OP, arg, tensor, x.dtype(), "the activations'")?;
     }
     let device = x.device();
     for (arg, tensor) in [
@@ -122,10 +112,11 @@ pub fn moe_experts(
             format!("empty experts: E {experts}, I {inter}, k {top_k}"),
         ));
     }
-    match device {
-        Device::Cpu => cpu_moe_experts(x, weights, ids, gate_up, down, inter),
-        #[cfg(feature = "cuda")]
-        Device::Cuda(_) => crate::cuda::moe_experts(
+    on_device!(
+        OP,
+        device,
+        cpu_moe_experts(x, weights, ids, gate_up, down, inter),
+        crate::cuda::moe_experts(
             x,
             weights,
             ids,
@@ -139,8 +130,7 @@ pub fn moe_experts(
                 inter,
             },
         ),
-        other => Err(unsupported_device(OP, other)),
-    }
+    )
 }
 
 /// `sum_c row[c] * v[c]` in f32, in index order.

@@ -5,8 +5,8 @@
 use candle_core::{DType, Device, Tensor, D};
 
 use crate::{
-    expect_device, expect_dim, expect_float_dtype, float_dims, invalid_argument, round_to_dtype,
-    silu, tensor_from_f32, to_f32_vec, unsupported_device, Result,
+    expect_device, expect_dim, expect_float_dtype, expect_positive, expect_shape, float_dims,
+    invalid_argument, round_to_dtype, silu, tensor_from_f32, to_f32_vec, Result,
 };
 
 const OP: &str = "gated_rms_norm";
@@ -31,48 +31,46 @@ pub fn gated_rms_norm(x: &Tensor, z: &Tensor, weight: &Tensor, eps: f64) -> Resu
     let [rows, width] = float_dims::<2>(OP, "x", x)?;
     let z_dims = float_dims::<2>(OP, "z", z)?;
     let [weight_len] = float_dims::<1>(OP, "weight", weight)?;
-    if width == 0 {
-        return Err(invalid_argument(
-            OP,
-            "x",
-            "row width (dim 1) must be positive".to_string(),
-        ));
-    }
-    if z_dims != [rows, width] {
-        return Err(invalid_argument(
-            OP,
-            "z",
-            format!(
-                "shape {z_dims:?} differs from the shape of `x` {:?}",
-                [rows, width]
-            ),
-        ));
-    }
+    expect_positive(OP, "x", "row width (dim 1)", width)?;
+    expect_shape(OP, "z", &z_dims, &[rows, width], "the shape of `x`")?;
     expect_dim(OP, "weight", "length", weight_len, width)?;
     let device = x.device();
     expect_device(OP, "z", z, device)?;
     expect_device(OP, "weight", weight, device)?;
-    match device {
-        Device::Cpu => cpu_gated_rms_norm(x, z, weight, eps, rows, width),
-        #[cfg(feature = "cuda")]
-        Device::Cuda(_) => crate::cuda::gated_rms_norm(x, z, weight, eps, rows, width),
-        other => Err(unsupported_device(OP, other)),
-    }
+    let args = GatedRmsNormArgs {
+        x,
+        z,
+        weight,
+        eps,
+        rows,
+        width,
+    };
+    on_device!(
+        OP,
+        device,
+        cpu_gated_rms_norm(&args),
+        crate::cuda::gated_rms_norm(&args),
+    )
 }
 
-fn cpu_gated_rms_norm(
-    x: &Tensor,
-    z: &Tensor,
-    weight: &Tensor,
-    eps: f64,
-    rows: usize,
-    width: usize,
-) -> Result<Tensor> {
-    let dtype = x.dtype();
-    let x = to_f32_vec(x)?;
-    let z = to_f32_vec(z)?;
-    let weight = to_f32_vec(weight)?;
-    let eps = eps as f32;
+/// The validated arguments of a [`gated_rms_norm`] call and its sizes: `x`
+/// and `z` `[rows, width]`.
+pub(crate) struct GatedRmsNormArgs<'a> {
+    pub x: &'a Tensor,
+    pub z: &'a Tensor,
+    pub weight: &'a Tensor,
+    pub eps: f64,
+    pub rows: usize,
+    pub width: usize,
+}
+
+fn cpu_gated_rms_norm(args: &GatedRmsNormArgs<'_>) -> Result<Tensor> {
+    let (rows, width) = (args.rows, args.width);
+    let dtype = args.x.dtype();
+    let x = to_f32_vec(args.x)?;
+    let z = to_f32_vec(args.z)?;
+    let weight = to_f32_vec(args.weight)?;
+    let eps = args.eps as f32;
 
     let mut normalized = Vec::with_capacity(x.len());
     for row in x.chunks_exact(width) {
@@ -113,12 +111,12 @@ fn cpu_gated_rms_norm(
 /// of that sequence bit for bit.
 pub fn offset_rms_norm(x: &Tensor, scale: &Tensor, eps: f64) -> Result<Tensor> {
     validate_offset_norm(x, scale)?;
-    match x.device() {
-        Device::Cpu => cpu_offset_rms_norm(x, scale, eps),
-        #[cfg(feature = "cuda")]
-        Device::Cuda(_) => Ok(crate::cuda::offset_rms_norm(x, None, scale, eps)?.0),
-        other => Err(unsupported_device(OFFSET_OP, other)),
-    }
+    on_device!(
+        OFFSET_OP,
+        x.device(),
+        cpu_offset_rms_norm(x, scale, eps),
+        Ok(crate::cuda::offset_rms_norm(x, None, scale, eps)?.0),
+    )
 }
 
 /// A residual add followed by [`offset_rms_norm`] of its result, in one
@@ -150,22 +148,22 @@ pub fn add_offset_rms_norm(
         ));
     }
     expect_device(OFFSET_OP, "delta", delta, x.device())?;
-    match x.device() {
-        Device::Cpu => {
+    on_device!(
+        OFFSET_OP,
+        x.device(),
+        {
             let sum = (x + delta)?;
             let normed = cpu_offset_rms_norm(&sum, scale, eps)?;
             Ok((sum, normed))
-        }
-        #[cfg(feature = "cuda")]
-        Device::Cuda(_) => {
+        },
+        {
             let (normed, sum) = crate::cuda::offset_rms_norm(x, Some(delta), scale, eps)?;
             let sum = sum.ok_or_else(|| {
                 invalid_argument(OFFSET_OP, "delta", "the kernel returned no sum".to_string())
             })?;
             Ok((sum, normed))
-        }
-        other => Err(unsupported_device(OFFSET_OP, other)),
-    }
+        },
+    )
 }
 
 /// Validates `offset_rms_norm`'s `x` (rank at least 1, a positive last
@@ -179,17 +177,22 @@ fn validate_offset_norm(x: &Tensor, scale: &Tensor) -> Result<()> {
             "expected at least one dimension, got a scalar".to_string(),
         ));
     };
-    if width == 0 {
-        return Err(invalid_argument(
-            OFFSET_OP,
-            "x",
-            "the last dimension must be positive".to_string(),
-        ));
-    }
-    let [scale_len] = float_dims::<1>(OFFSET_OP, "scale", scale)?;
+    expect_positive(OFFSET_OP, "x", "the last dimension", width)?;
+    validate_offset_scale(OFFSET_OP, scale, width, x.device())
+}
+
+/// Validates the `scale` of a `(1 + w)` RMSNorm of `op` over rows of
+/// `width`: `f32` `[width]` on `device`.
+pub(crate) fn validate_offset_scale(
+    op: &'static str,
+    scale: &Tensor,
+    width: usize,
+    device: &Device,
+) -> Result<()> {
+    let [scale_len] = float_dims::<1>(op, "scale", scale)?;
     if scale.dtype() != DType::F32 {
         return Err(invalid_argument(
-            OFFSET_OP,
+            op,
             "scale",
             format!(
                 "dtype {:?} is not supported (expected f32: `1 + w` is kept in f32)",
@@ -197,8 +200,8 @@ fn validate_offset_norm(x: &Tensor, scale: &Tensor) -> Result<()> {
             ),
         ));
     }
-    expect_dim(OFFSET_OP, "scale", "length", scale_len, width)?;
-    expect_device(OFFSET_OP, "scale", scale, x.device())
+    expect_dim(op, "scale", "length", scale_len, width)?;
+    expect_device(op, "scale", scale, device)
 }
 
 /// The CPU `offset_rms_norm` (candle's op sequence, for any layout of `x`),

@@ -3,8 +3,8 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::{
-    expect_device, expect_dim, float_dims, invalid_argument, tensor_from_f32, to_f32_vec,
-    unsupported_device, Result,
+    expect_device, expect_dim, expect_positive, expect_shape, float_dims, invalid_argument,
+    tensor_from_f32, to_f32_vec, Result,
 };
 
 const OP: &str = "kda_recurrence";
@@ -51,30 +51,23 @@ impl KdaPrefillAlgorithm {
     }
 }
 
-/// Sizes of one `kda_recurrence` call.
-struct RecurrenceDims {
-    batch: usize,
-    seq_len: usize,
-    key_heads: usize,
-    value_heads: usize,
-    key_dim: usize,
-    value_dim: usize,
+/// The per-token inputs of a recurrence call (see [`kda_recurrence`]).
+pub(crate) struct KdaTokens<'a> {
+    pub q: &'a Tensor,
+    pub k: &'a Tensor,
+    pub v: &'a Tensor,
+    pub g: &'a Tensor,
+    pub beta: &'a Tensor,
 }
 
-impl RecurrenceDims {
-    /// These sizes and `algorithm`, as the CUDA launchers take them.
-    #[cfg(feature = "cuda")]
-    fn cuda_params(&self, algorithm: KdaPrefillAlgorithm) -> crate::cuda::RecurrenceParams {
-        crate::cuda::RecurrenceParams {
-            algorithm,
-            batch: self.batch,
-            seq_len: self.seq_len,
-            key_heads: self.key_heads,
-            value_heads: self.value_heads,
-            key_dim: self.key_dim,
-            value_dim: self.value_dim,
-        }
-    }
+/// Sizes of one recurrence call.
+pub(crate) struct RecurrenceDims {
+    pub batch: usize,
+    pub seq_len: usize,
+    pub key_heads: usize,
+    pub value_heads: usize,
+    pub key_dim: usize,
+    pub value_dim: usize,
 }
 
 /// Runs the KDA recurrence token by token, in `f32`.
@@ -141,19 +134,18 @@ pub fn kda_recurrence_with(
     beta: &Tensor,
     state: &Tensor,
 ) -> Result<(Tensor, Tensor)> {
-    let dims = validate(q, k, v, g, beta, state)?;
-    match q.device() {
-        Device::Cpu => {
+    let tokens = KdaTokens { q, k, v, g, beta };
+    let dims = validate(&tokens, state)?;
+    on_device!(
+        OP,
+        q.device(),
+        {
             // One reference for both algorithms (the choice is CUDA-only).
             let _ = algorithm;
-            cpu_kda_recurrence(q, k, v, g, beta, state, &dims)
-        }
-        #[cfg(feature = "cuda")]
-        Device::Cuda(_) => {
-            crate::cuda::kda_recurrence(q, k, v, g, beta, state, &dims.cuda_params(algorithm))
-        }
-        other => Err(unsupported_device(OP, other)),
-    }
+            cpu_kda_recurrence(&tokens, state, &dims)
+        },
+        crate::cuda::kda_recurrence(&tokens, state, &dims, algorithm),
+    )
 }
 
 const POOL_OP: &str = "kda_recurrence_in_pool";
@@ -213,42 +205,76 @@ pub fn kda_recurrence_in_pool_with(
     beta: &Tensor,
     pool: StatePool<'_>,
 ) -> Result<Tensor> {
-    let StatePool {
-        states: pool,
-        slots,
-        host_slots,
-    } = pool;
-    let dims = validate_tokens(POOL_OP, q, k, v, g, beta)?;
-    let pool_rows = validate_pool(pool, &dims)?;
-    validate_slots(POOL_OP, slots, host_slots, pool_rows, dims.batch)?;
-    for (arg, tensor) in [("pool", pool), ("slots", slots)] {
-        expect_device(POOL_OP, arg, tensor, q.device())?;
-    }
-    match q.device() {
-        Device::Cpu => {
+    let tokens = KdaTokens { q, k, v, g, beta };
+    let dims = validate_tokens(POOL_OP, &tokens)?;
+    let pool_rows = validate_pool(pool.states, &dims)?;
+    pool.validate(POOL_OP, pool_rows, dims.batch, q.device())?;
+    on_device!(
+        POOL_OP,
+        q.device(),
+        {
             // One reference for both algorithms (the choice is CUDA-only).
             let _ = algorithm;
-            expect_cpu_slots(POOL_OP, slots, host_slots)?;
-            let state = pool.index_select(slots, 0)?;
-            let (output, final_state) = cpu_kda_recurrence(q, k, v, g, beta, &state, &dims)?;
-            for (row, &slot) in host_slots.iter().enumerate() {
-                pool.slice_set(&final_state.narrow(0, row, 1)?, 0, slot as usize)?;
-            }
-            Ok(output)
+            pool.cpu_update(POOL_OP, |state| cpu_kda_recurrence(&tokens, state, &dims))
+        },
+        crate::cuda::kda_recurrence_in_pool(&tokens, pool, pool_rows, &dims, algorithm),
+    )
+}
+
+impl StatePool<'_> {
+    /// Validates the pool of a call of `op` for `batch` sequences on
+    /// `device`, whose `states` (already checked for shape and dtype) has
+    /// `pool_rows` rows: contiguous, valid slots ([`validate_slots`]), and
+    /// both tensors on `device`.
+    pub(crate) fn validate(
+        &self,
+        op: &'static str,
+        pool_rows: usize,
+        batch: usize,
+        device: &Device,
+    ) -> Result<()> {
+        if !self.states.is_contiguous() {
+            return Err(invalid_argument(
+                op,
+                "pool",
+                "must be contiguous (it is updated in place)".to_string(),
+            ));
         }
-        #[cfg(feature = "cuda")]
-        Device::Cuda(_) => crate::cuda::kda_recurrence_in_pool(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            pool,
-            slots,
-            pool_rows,
-            &dims.cuda_params(algorithm),
-        ),
-        other => Err(unsupported_device(POOL_OP, other)),
+        validate_slots(op, self.slots, self.host_slots, pool_rows, batch)?;
+        for (arg, tensor) in [("pool", self.states), ("slots", self.slots)] {
+            expect_device(op, arg, tensor, device)?;
+        }
+        Ok(())
+    }
+
+    /// The CPU path of a call of `op` on the pool: `reference` gets the
+    /// batch's rows `[B, ...]` and returns its output and their new values,
+    /// which are written back into those rows. Fails unless `slots` holds
+    /// the values of `host_slots` (a check only the CPU path makes: on CUDA
+    /// it would copy `slots` back).
+    pub(crate) fn cpu_update<T>(
+        &self,
+        op: &'static str,
+        reference: impl FnOnce(&Tensor) -> Result<(T, Tensor)>,
+    ) -> Result<T> {
+        let cpu_slots = self.slots.to_vec1::<u32>()?;
+        if cpu_slots != self.host_slots {
+            return Err(invalid_argument(
+                op,
+                "slots",
+                format!(
+                    "values {cpu_slots:?} differ from `host_slots` {:?}",
+                    self.host_slots
+                ),
+            ));
+        }
+        let rows = self.states.index_select(self.slots, 0)?;
+        let (output, new_rows) = reference(&rows)?;
+        for (row, &slot) in self.host_slots.iter().enumerate() {
+            self.states
+                .slice_set(&new_rows.narrow(0, row, 1)?, 0, slot as usize)?;
+        }
+        Ok(output)
     }
 }
 
@@ -274,20 +300,13 @@ fn validate_pool(pool: &Tensor, dims: &RecurrenceDims) -> Result<usize> {
             ),
         ));
     }
-    if !pool.is_contiguous() {
-        return Err(invalid_argument(
-            POOL_OP,
-            "pool",
-            "must be contiguous (it is updated in place)".to_string(),
-        ));
-    }
     Ok(rows)
 }
 
 /// Validates the slots of a [`StatePool`] call of `op` for `batch`
 /// sequences: `slots` a `u32` tensor `[B]`, `host_slots` `B` distinct values
 /// below `pool_rows`.
-pub(crate) fn validate_slots(
+fn validate_slots(
     op: &'static str,
     slots: &Tensor,
     host_slots: &[u32],
@@ -328,29 +347,8 @@ pub(crate) fn validate_slots(
     Ok(())
 }
 
-/// Fails unless the CPU tensor `slots` holds the values of `host_slots` (a
-/// check only the CPU path makes: on CUDA it would copy `slots` back).
-pub(crate) fn expect_cpu_slots(op: &'static str, slots: &Tensor, host_slots: &[u32]) -> Result<()> {
-    let cpu_slots = slots.to_vec1::<u32>()?;
-    if cpu_slots != host_slots {
-        return Err(invalid_argument(
-            op,
-            "slots",
-            format!("values {cpu_slots:?} differ from `host_slots` {host_slots:?}"),
-        ));
-    }
-    Ok(())
-}
-
-fn validate(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    g: &Tensor,
-    beta: &Tensor,
-    state: &Tensor,
-) -> Result<RecurrenceDims> {
-    let dims = validate_tokens(OP, q, k, v, g, beta)?;
+fn validate(tokens: &KdaTokens<'_>, state: &Tensor) -> Result<RecurrenceDims> {
+    let dims = validate_tokens(OP, tokens)?;
     let state_dims = float_dims::<4>(OP, "state", state)?;
     let expected_state = [dims.batch, dims.value_heads, dims.key_dim, dims.value_dim];
     if state_dims != expected_state {
@@ -360,48 +358,27 @@ fn validate(
             format!("shape {state_dims:?}, expected [B, Hv, dk, dv] = {expected_state:?}"),
         ));
     }
-    expect_device(OP, "state", state, q.device())?;
+    expect_device(OP, "state", state, tokens.q.device())?;
     Ok(dims)
 }
 
-/// Validates the per-token inputs `q`, `k`, `v`, `g`, `beta` of a
-/// recurrence call of `op` and returns its sizes.
-fn validate_tokens(
-    op: &'static str,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    g: &Tensor,
-    beta: &Tensor,
-) -> Result<RecurrenceDims> {
+/// Validates the per-token inputs of a recurrence call of `op` and returns
+/// its sizes.
+fn validate_tokens(op: &'static str, tokens: &KdaTokens<'_>) -> Result<RecurrenceDims> {
+    let KdaTokens { q, k, v, g, beta } = *tokens;
     let [batch, seq_len, key_heads, key_dim] = float_dims::<4>(op, "q", q)?;
     let k_dims = float_dims::<4>(op, "k", k)?;
     let [v_batch, v_seq_len, value_heads, value_dim] = float_dims::<4>(op, "v", v)?;
     let g_dims = float_dims::<4>(op, "g", g)?;
     let [beta_batch, beta_seq_len, beta_heads] = float_dims::<3>(op, "beta", beta)?;
 
-    if k_dims != [batch, seq_len, key_heads, key_dim] {
-        return Err(invalid_argument(
-            op,
-            "k",
-            format!(
-                "shape {k_dims:?} differs from the shape of `q` {:?}",
-                q.dims()
-            ),
-        ));
-    }
+    expect_shape(op, "k", &k_dims, q.dims(), "the shape of `q`")?;
     for (arg, what, size) in [
         ("q", "key head count (dim 2)", key_heads),
         ("q", "key dim (dim 3)", key_dim),
         ("v", "value dim (dim 3)", value_dim),
     ] {
-        if size == 0 {
-            return Err(invalid_argument(
-                op,
-                arg,
-                format!("{what} must be positive"),
-            ));
-        }
+        expect_positive(op, arg, what, size)?;
     }
     if value_heads == 0 || value_heads % key_heads != 0 {
         return Err(invalid_argument(
@@ -448,11 +425,7 @@ fn validate_tokens(
 }
 
 fn cpu_kda_recurrence(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    g: &Tensor,
-    beta: &Tensor,
+    tokens: &KdaTokens<'_>,
     state: &Tensor,
     dims: &RecurrenceDims,
 ) -> Result<(Tensor, Tensor)> {
@@ -464,11 +437,11 @@ fn cpu_kda_recurrence(
         key_dim,
         value_dim,
     } = dims;
-    let q = to_f32_vec(q)?;
-    let k = to_f32_vec(k)?;
-    let v = to_f32_vec(v)?;
-    let g = to_f32_vec(g)?;
-    let beta = to_f32_vec(beta)?;
+    let q = to_f32_vec(tokens.q)?;
+    let k = to_f32_vec(tokens.k)?;
+    let v = to_f32_vec(tokens.v)?;
+    let g = to_f32_vec(tokens.g)?;
+    let beta = to_f32_vec(tokens.beta)?;
     let mut state = to_f32_vec(state)?;
 
     let group_size = value_heads / key_heads;

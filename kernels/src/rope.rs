@@ -2,10 +2,13 @@
 //! `(1 + w)` RMSNorm of each head followed by the partial NeoX rotary
 //! embedding, in one operation.
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{Tensor, D};
 
-use crate::norm::cpu_offset_rms_norm;
-use crate::{expect_device, expect_dim, float_dims, invalid_argument, unsupported_device, Result};
+use crate::norm::{cpu_offset_rms_norm, validate_offset_scale};
+use crate::{
+    expect_device, expect_positive, expect_same_dtype, expect_shape, float_dims, invalid_argument,
+    Result,
+};
 
 const OP: &str = "offset_rms_norm_rope";
 
@@ -47,25 +50,8 @@ pub fn offset_rms_norm_rope(
     sin: &Tensor,
 ) -> Result<Tensor> {
     let [batch, seq_len, _, width] = float_dims::<4>(OP, "x", x)?;
-    if width == 0 {
-        return Err(invalid_argument(
-            OP,
-            "x",
-            "the head dim (dim 3) must be positive".to_string(),
-        ));
-    }
-    let [scale_len] = float_dims::<1>(OP, "scale", scale)?;
-    if scale.dtype() != DType::F32 {
-        return Err(invalid_argument(
-            OP,
-            "scale",
-            format!(
-                "dtype {:?} is not supported (expected f32: `1 + w` is kept in f32)",
-                scale.dtype()
-            ),
-        ));
-    }
-    expect_dim(OP, "scale", "length", scale_len, width)?;
+    expect_positive(OP, "x", "the head dim (dim 3)", width)?;
+    validate_offset_scale(OP, scale, width, x.device())?;
     let [_, _, rotary] = float_dims::<3>(OP, "cos", cos)?;
     if rotary == 0 || rotary % 2 != 0 || rotary > width {
         return Err(invalid_argument(
@@ -79,48 +65,49 @@ pub fn offset_rms_norm_rope(
     }
     let device = x.device();
     for (arg, table) in [("cos", cos), ("sin", sin)] {
-        if table.dims() != [batch, seq_len, rotary] {
-            return Err(invalid_argument(
-                OP,
-                arg,
-                format!(
-                    "shape {:?} differs from the expected {:?}",
-                    table.dims(),
-                    [batch, seq_len, rotary]
-                ),
-            ));
-        }
-        if table.dtype() != x.dtype() {
-            return Err(invalid_argument(
-                OP,
-                arg,
-                format!(
-                    "dtype {:?} differs from the dtype of `x` {:?}",
-                    table.dtype(),
-                    x.dtype()
-                ),
-            ));
-        }
+        expect_shape(
+            OP,
+            arg,
+            table.dims(),
+            &[batch, seq_len, rotary],
+            "the expected",
+        )?;
+        expect_same_dtype(OP, arg, table, x.dtype(), "the dtype of `x`")?;
         expect_device(OP, arg, table, device)?;
     }
-    expect_device(OP, "scale", scale, device)?;
-    match device {
-        Device::Cpu => cpu_offset_rms_norm_rope(x, scale, eps, cos, sin, rotary),
-        #[cfg(feature = "cuda")]
-        Device::Cuda(_) => crate::cuda::offset_rms_norm_rope(x, scale, eps, cos, sin, rotary),
-        other => Err(unsupported_device(OP, other)),
-    }
+    let args = NormRopeArgs {
+        x,
+        scale,
+        eps,
+        cos,
+        sin,
+        rotary,
+    };
+    on_device!(
+        OP,
+        device,
+        cpu_offset_rms_norm_rope(&args),
+        crate::cuda::offset_rms_norm_rope(&args),
+    )
 }
 
-fn cpu_offset_rms_norm_rope(
-    x: &Tensor,
-    scale: &Tensor,
-    eps: f64,
-    cos: &Tensor,
-    sin: &Tensor,
-    rotary: usize,
-) -> Result<Tensor> {
-    let normed = cpu_offset_rms_norm(x, scale, eps)?;
+/// The validated arguments of an [`offset_rms_norm_rope`] call: `x`
+/// `[B, T, H, D]`, `scale` `f32` `[D]`, `cos` and `sin` `[B, T, rotary]` in
+/// the dtype of `x`.
+pub(crate) struct NormRopeArgs<'a> {
+    pub x: &'a Tensor,
+    pub scale: &'a Tensor,
+    pub eps: f64,
+    pub cos: &'a Tensor,
+    pub sin: &'a Tensor,
+    pub rotary: usize,
+}
+
+fn cpu_offset_rms_norm_rope(args: &NormRopeArgs<'_>) -> Result<Tensor> {
+    let NormRopeArgs {
+        cos, sin, rotary, ..
+    } = *args;
+    let normed = cpu_offset_rms_norm(args.x, args.scale, args.eps)?;
     let width = normed.dim(D::Minus1)?;
     let half = rotary / 2;
     let rotated = normed.narrow(D::Minus1, 0, rotary)?;

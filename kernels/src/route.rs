@@ -4,8 +4,8 @@ use candle_core::cpu::kernels::VecOps;
 use candle_core::{DType, Device, Tensor};
 
 use crate::{
-    expect_float_dtype, float_dims, invalid_argument, round_to_dtype, to_f32_vec,
-    unsupported_device, Result,
+    expect_float_dtype, expect_positive, float_dims, invalid_argument, round_to_dtype, to_f32_vec,
+    Result,
 };
 
 const OP: &str = "moe_route";
@@ -51,13 +51,12 @@ pub fn moe_route(
     weight_dtype: DType,
 ) -> Result<(Tensor, Tensor)> {
     let [rows, experts] = float_dims::<2>(OP, "router_logits", router_logits)?;
-    if experts == 0 {
-        return Err(invalid_argument(
-            OP,
-            "router_logits",
-            "the number of experts (dim 1) must be positive".to_string(),
-        ));
-    }
+    expect_positive(
+        OP,
+        "router_logits",
+        "the number of experts (dim 1)",
+        experts,
+    )?;
     if top_k == 0 || top_k > experts {
         return Err(invalid_argument(
             OP,
@@ -66,37 +65,36 @@ pub fn moe_route(
         ));
     }
     expect_float_dtype(OP, "weight_dtype", weight_dtype)?;
-    match router_logits.device() {
-        Device::Cpu => cpu_moe_route(
-            router_logits,
-            rows,
-            experts,
-            top_k,
-            renormalize,
-            weight_dtype,
-        ),
-        #[cfg(feature = "cuda")]
-        Device::Cuda(_) => crate::cuda::moe_route(
-            router_logits,
-            rows,
-            experts,
-            top_k,
-            renormalize,
-            weight_dtype,
-        ),
-        other => Err(unsupported_device(OP, other)),
-    }
+    let args = MoeRouteArgs {
+        router_logits,
+        rows,
+        experts,
+        top_k,
+        renormalize,
+        weight_dtype,
+    };
+    on_device!(
+        OP,
+        router_logits.device(),
+        cpu_moe_route(&args),
+        crate::cuda::moe_route(&args),
+    )
 }
 
-fn cpu_moe_route(
-    router_logits: &Tensor,
-    rows: usize,
-    experts: usize,
-    top_k: usize,
-    renormalize: bool,
-    weight_dtype: DType,
-) -> Result<(Tensor, Tensor)> {
-    let logits = to_f32_vec(router_logits)?;
+/// The validated arguments of a [`moe_route`] call and its sizes:
+/// `router_logits` `[rows, experts]`.
+pub(crate) struct MoeRouteArgs<'a> {
+    pub router_logits: &'a Tensor,
+    pub rows: usize,
+    pub experts: usize,
+    pub top_k: usize,
+    pub renormalize: bool,
+    pub weight_dtype: DType,
+}
+
+fn cpu_moe_route(args: &MoeRouteArgs<'_>) -> Result<(Tensor, Tensor)> {
+    let (rows, experts, top_k) = (args.rows, args.experts, args.top_k);
+    let logits = to_f32_vec(args.router_logits)?;
     let mut weights = Vec::with_capacity(rows * top_k);
     let mut ids = Vec::with_capacity(rows * top_k);
     let mut probs = vec![0f32; experts];
@@ -106,11 +104,11 @@ fn cpu_moe_route(
         let total: f32 = chosen.iter().map(|&expert| probs[expert]).sum();
         for expert in chosen {
             let prob = probs[expert];
-            weights.push(if renormalize { prob / total } else { prob });
+            weights.push(if args.renormalize { prob / total } else { prob });
             ids.push(expert as u32);
         }
     }
-    let weights = round_to_dtype(weights, weight_dtype)?;
+    let weights = round_to_dtype(weights, args.weight_dtype)?;
     Ok((
         Tensor::from_vec(weights, (rows, top_k), &Device::Cpu)?,
         Tensor::from_vec(ids, (rows, top_k), &Device::Cpu)?,

@@ -197,6 +197,36 @@ fn compare_on_both<const N: usize>(
     compare(what, &cuda, &cpu, tol)
 }
 
+/// The three activation dtypes.
+const ALL_DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
+
+/// Runs `case` for every case and dtype (cases outer), each with a generator
+/// of its own: seeds `first_seed + 1`, `first_seed + 2`, ... in that order.
+fn sweep<C: Copy>(
+    first_seed: u64,
+    cases: impl IntoIterator<Item = C>,
+    dtypes: &[DType],
+    mut case: impl FnMut(&mut Rng, C, DType) -> Result<()>,
+) -> Result<()> {
+    let mut seed = first_seed;
+    for item in cases {
+        for &dtype in dtypes {
+            seed += 1;
+            case(&mut Rng::new(seed), item, dtype)?;
+        }
+    }
+    Ok(())
+}
+
+/// `view` of the CPU tensor `base` and the same view of its copy on the GPU,
+/// as `(cpu, cuda)`: layouts (strides, start offsets) the kernels must read.
+fn view_on_both(
+    base: &Tensor,
+    view: impl Fn(&Tensor) -> candle_core::Result<Tensor>,
+) -> Result<(Tensor, Tensor)> {
+    Ok((view(base)?, view(&to_gpu(base, &gpu())?)?))
+}
+
 /// Compares the parts of a split result (`{what} part {index}`).
 fn compare_parts(what: &str, cuda: &[Tensor], cpu: &[Tensor], tol: Tol) -> Result<()> {
     for (index, (cuda, cpu)) in cuda.iter().zip(cpu).enumerate() {
@@ -313,24 +343,24 @@ fn conv_case(seed: u64, case: &ConvCase) -> Result<()> {
 #[test]
 fn conv_split_matches_cpu_at_model_shapes() -> Result<()> {
     let widths = [HK * DK, HK * DK, HV * DV];
-    let mut seed = 2400;
-    for (batch, seq_len) in [(1, 1), (8, 1), (1, 200)] {
-        for dtype in [DType::F32, DType::BF16] {
-            seed += 1;
-            let mut rng = Rng::new(seed);
-            let x = random(&mut rng, &[batch, seq_len, CONV_DIM], -2.0, 2.0, dtype)?;
-            let weight = random(&mut rng, &[CONV_DIM, CONV_K], -0.6, 0.6, DType::F32)?;
-            let state = random(&mut rng, &[batch, CONV_DIM, CONV_K], -2.0, 2.0, DType::F32)?;
+    let cases = [(1, 1), (8, 1), (1, 200)];
+    sweep(
+        2400,
+        cases,
+        &[DType::F32, DType::BF16],
+        |rng, (batch, seq_len), dtype| {
+            let x = random(rng, &[batch, seq_len, CONV_DIM], -2.0, 2.0, dtype)?;
+            let weight = random(rng, &[CONV_DIM, CONV_K], -0.6, 0.6, DType::F32)?;
+            let state = random(rng, &[batch, CONV_DIM, CONV_K], -2.0, 2.0, DType::F32)?;
             let ((parts_cuda, state_cuda), (parts_cpu, state_cpu)) =
                 on_both([&x, &weight, &state], |[x, weight, state]| {
                     causal_conv1d_split(x, weight, state, &widths)
                 })?;
             let what = format!("causal_conv1d_split B={batch} T={seq_len} {dtype:?}");
             compare_parts(&what, &parts_cuda, &parts_cpu, output_tol(dtype))?;
-            identical(&format!("{what} new state"), &state_cuda, &state_cpu)?;
-        }
-    }
-    Ok(())
+            identical(&format!("{what} new state"), &state_cuda, &state_cpu)
+        },
+    )
 }
 
 #[test]
@@ -1151,11 +1181,18 @@ fn offset_norm_tol(width: usize, dtype: DType) -> Tol {
     }
 }
 
-/// `x` on the CPU and its copy on the GPU through the same view.
-fn offset_norm_check(what: &str, x: &Tensor, x_gpu: &Tensor, scale: &Tensor) -> Result<()> {
+/// `offset_rms_norm` of `view` of `base` on the CPU and on the GPU (see
+/// [`view_on_both`]).
+fn offset_norm_check(
+    what: &str,
+    base: &Tensor,
+    view: impl Fn(&Tensor) -> candle_core::Result<Tensor>,
+    scale: &Tensor,
+) -> Result<()> {
     let width = scale.dims()[0];
-    let cpu = offset_rms_norm(x, scale, 1e-6)?;
-    let cuda = offset_rms_norm(x_gpu, &to_gpu(scale, &gpu())?, 1e-6)?;
+    let (x, x_gpu) = view_on_both(base, view)?;
+    let cpu = offset_rms_norm(&x, scale, 1e-6)?;
+    let cuda = offset_rms_norm(&x_gpu, &to_gpu(scale, &gpu())?, 1e-6)?;
     compare(what, &cuda, &cpu, offset_norm_tol(width, x.dtype()))?;
     Ok(())
 }
@@ -1166,7 +1203,7 @@ fn offset_norm_case(seed: u64, dims: &[usize], dtype: DType) -> Result<()> {
     let x = random(&mut rng, dims, -3.0, 3.0, dtype)?;
     let scale = random(&mut rng, &[width], 0.5, 1.5, DType::F32)?;
     let what = format!("offset_rms_norm {dims:?} {dtype:?}");
-    offset_norm_check(&what, &x, &to_gpu(&x, &gpu())?, &scale)
+    offset_norm_check(&what, &x, |x| Ok(x.clone()), &scale)
 }
 
 #[test]
@@ -1188,29 +1225,19 @@ fn offset_norm_matches_cpu_at_model_shapes() -> Result<()> {
 /// bit for bit (one rounding of an f32 addition), the norm as above.
 #[test]
 fn add_offset_norm_matches_cpu() -> Result<()> {
-    let mut seed = 2800;
-    for rows in [1, 7, 300] {
-        for dtype in [DType::F32, DType::BF16, DType::F16] {
-            seed += 1;
-            let mut rng = Rng::new(seed);
-            let x = random(&mut rng, &[rows, HIDDEN], -3.0, 3.0, dtype)?;
-            let delta = random(&mut rng, &[rows, HIDDEN], -1.0, 1.0, dtype)?;
-            let scale = random(&mut rng, &[HIDDEN], 0.5, 1.5, DType::F32)?;
-            let ((sum_cuda, normed_cuda), (sum_cpu, normed_cpu)) =
-                on_both([&x, &delta, &scale], |[x, delta, scale]| {
-                    add_offset_rms_norm(x, delta, scale, 1e-6)
-                })?;
-            let what = format!("add_offset_rms_norm [{rows}, {HIDDEN}] {dtype:?}");
-            identical(&format!("{what} sum"), &sum_cuda, &sum_cpu)?;
-            compare(
-                &what,
-                &normed_cuda,
-                &normed_cpu,
-                offset_norm_tol(HIDDEN, dtype),
-            )?;
-        }
-    }
-    Ok(())
+    sweep(2800, [1, 7, 300], &ALL_DTYPES, |rng, rows, dtype| {
+        let x = random(rng, &[rows, HIDDEN], -3.0, 3.0, dtype)?;
+        let delta = random(rng, &[rows, HIDDEN], -1.0, 1.0, dtype)?;
+        let scale = random(rng, &[HIDDEN], 0.5, 1.5, DType::F32)?;
+        let ((sum_cuda, normed_cuda), (sum_cpu, normed_cpu)) =
+            on_both([&x, &delta, &scale], |[x, delta, scale]| {
+                add_offset_rms_norm(x, delta, scale, 1e-6)
+            })?;
+        let what = format!("add_offset_rms_norm [{rows}, {HIDDEN}] {dtype:?}");
+        identical(&format!("{what} sum"), &sum_cuda, &sum_cpu)?;
+        let tol = offset_norm_tol(HIDDEN, dtype);
+        compare(&what, &normed_cuda, &normed_cpu, tol).map(drop)
+    })
 }
 
 #[test]
@@ -1230,19 +1257,16 @@ fn offset_norm_matches_cpu_at_odd_widths_and_layouts() -> Result<()> {
     let mut rng = Rng::new(1800);
     let x = random(&mut rng, &[2, 5, HEADS, HEAD_DIM], -3.0, 3.0, DType::BF16)?;
     let scale = random(&mut rng, &[HEAD_DIM], 0.5, 1.5, DType::F32)?;
-    let x_gpu = to_gpu(&x, &gpu())?;
     offset_norm_check(
         "offset_rms_norm transposed view",
-        &x.transpose(1, 2)?,
-        &x_gpu.transpose(1, 2)?,
+        &x,
+        |x| x.transpose(1, 2),
         &scale,
     )?;
-    let rows = x.reshape((10 * HEADS, HEAD_DIM))?;
-    let rows_gpu = x_gpu.reshape((10 * HEADS, HEAD_DIM))?;
     offset_norm_check(
         "offset_rms_norm row range",
-        &rows.narrow(0, 3, 50)?,
-        &rows_gpu.narrow(0, 3, 50)?,
+        &x,
+        |x| x.reshape((10 * HEADS, HEAD_DIM))?.narrow(0, 3, 50),
         &scale,
     )?;
     Ok(())
@@ -1384,24 +1408,26 @@ fn route_check(
 
 #[test]
 fn route_matches_cpu_at_model_shapes() -> Result<()> {
-    let mut seed = 1900;
     let (mut routed_rows, mut near_tie_rows) = (0, 0);
-    for rows in [1, 7, 300] {
-        for logits_dtype in [DType::F32, DType::BF16] {
-            seed += 1;
-            let mut rng = Rng::new(seed);
-            let logits = random(&mut rng, &[rows, EXPERTS], -4.0, 4.0, logits_dtype)?;
+    let logits_dtypes = [DType::F32, DType::BF16];
+    sweep(
+        1900,
+        [1, 7, 300],
+        &logits_dtypes,
+        |rng, rows, logits_dtype| {
+            let logits = random(rng, &[rows, EXPERTS], -4.0, 4.0, logits_dtype)?;
             for renormalize in [true, false] {
                 for weight_dtype in [DType::F32, DType::BF16] {
                     let what = format!(
-                        "moe_route N={rows} E={EXPERTS} k={TOP_K} {logits_dtype:?} renorm={renormalize} w={weight_dtype:?}"
-                    );
+                    "moe_route N={rows} E={EXPERTS} k={TOP_K} {logits_dtype:?} renorm={renormalize} w={weight_dtype:?}"
+                );
                     near_tie_rows += route_check(&what, &logits, TOP_K, renormalize, weight_dtype)?;
                     routed_rows += rows;
                 }
             }
-        }
-    }
+            Ok(())
+        },
+    )?;
     // A near tie needs two of the 9 largest logits within a few f32 ulp of
     // each other, which these draws make rare (bf16 logits tie exactly
     // instead, which must not count).
@@ -1542,20 +1568,16 @@ const MOE_INTERMEDIATE: usize = 512;
 
 #[test]
 fn swiglu_matches_cpu_at_model_shapes() -> Result<()> {
-    let mut seed = 2100;
-    for rows in [1, 8, 300] {
-        for dtype in [DType::F32, DType::BF16, DType::F16] {
-            seed += 1;
-            let mut rng = Rng::new(seed);
-            let gate_up = random(&mut rng, &[rows, 2 * MOE_INTERMEDIATE], -6.0, 6.0, dtype)?;
-            compare_on_both(
-                &format!("swiglu [{rows}, {}] {dtype:?}", 2 * MOE_INTERMEDIATE),
-                [&gate_up],
-                output_tol(dtype),
-                |[gate_up]| swiglu(gate_up),
-            )?;
-        }
-    }
+    sweep(2100, [1, 8, 300], &ALL_DTYPES, |rng, rows, dtype| {
+        let gate_up = random(rng, &[rows, 2 * MOE_INTERMEDIATE], -6.0, 6.0, dtype)?;
+        compare_on_both(
+            &format!("swiglu [{rows}, {}] {dtype:?}", 2 * MOE_INTERMEDIATE),
+            [&gate_up],
+            output_tol(dtype),
+            |[gate_up]| swiglu(gate_up),
+        )
+        .map(drop)
+    })?;
     // Rank 3 and an odd width.
     let mut rng = Rng::new(2200);
     let gate_up = random(&mut rng, &[2, 3, 2 * 37], -6.0, 6.0, DType::BF16)?;
@@ -1570,24 +1592,19 @@ fn swiglu_matches_cpu_at_model_shapes() -> Result<()> {
 
 #[test]
 fn add_moe_output_matches_cpu_at_model_shapes() -> Result<()> {
-    let mut seed = 2300;
-    for rows in [1, 8, 300] {
-        for dtype in [DType::F32, DType::BF16, DType::F16] {
-            seed += 1;
-            let mut rng = Rng::new(seed);
-            let residual = random(&mut rng, &[rows, HIDDEN], -8.0, 8.0, dtype)?;
-            let routed = random(&mut rng, &[rows, HIDDEN], -2.0, 2.0, dtype)?;
-            let shared = random(&mut rng, &[rows, HIDDEN], -2.0, 2.0, dtype)?;
-            let logit = random(&mut rng, &[rows, 1], -6.0, 6.0, dtype)?;
-            compare_on_both(
-                &format!("add_moe_output [{rows}, {HIDDEN}] {dtype:?}"),
-                [&residual, &routed, &shared, &logit],
-                output_tol(dtype),
-                |[residual, routed, shared, logit]| add_moe_output(residual, routed, shared, logit),
-            )?;
-        }
-    }
-    Ok(())
+    sweep(2300, [1, 8, 300], &ALL_DTYPES, |rng, rows, dtype| {
+        let residual = random(rng, &[rows, HIDDEN], -8.0, 8.0, dtype)?;
+        let routed = random(rng, &[rows, HIDDEN], -2.0, 2.0, dtype)?;
+        let shared = random(rng, &[rows, HIDDEN], -2.0, 2.0, dtype)?;
+        let logit = random(rng, &[rows, 1], -6.0, 6.0, dtype)?;
+        compare_on_both(
+            &format!("add_moe_output [{rows}, {HIDDEN}] {dtype:?}"),
+            [&residual, &routed, &shared, &logit],
+            output_tol(dtype),
+            |[residual, routed, shared, logit]| add_moe_output(residual, routed, shared, logit),
+        )
+        .map(drop)
+    })
 }
 
 // --------------------------------- offset_rms_norm_rope, sigmoid_gate_mul
@@ -1654,20 +1671,21 @@ fn rope_tol(width: usize, dtype: DType) -> Tol {
     }
 }
 
-/// `offset_rms_norm_rope` of `x` on the CPU and of `x_gpu` (the same view of
-/// a copy) on the GPU.
+/// `offset_rms_norm_rope` of `view` of `base` on the CPU and on the GPU
+/// (see [`view_on_both`]).
 fn rope_check(
     what: &str,
-    x: &Tensor,
-    x_gpu: &Tensor,
+    base: &Tensor,
+    view: impl Fn(&Tensor) -> candle_core::Result<Tensor>,
     scale: &Tensor,
     cos: &Tensor,
     sin: &Tensor,
 ) -> Result<()> {
     let device = gpu();
-    let cpu = offset_rms_norm_rope(x, scale, 1e-6, cos, sin)?;
+    let (x, x_gpu) = view_on_both(base, view)?;
+    let cpu = offset_rms_norm_rope(&x, scale, 1e-6, cos, sin)?;
     let cuda = offset_rms_norm_rope(
-        x_gpu,
+        &x_gpu,
         &to_gpu(scale, &device)?,
         1e-6,
         &to_gpu(cos, &device)?,
@@ -1698,11 +1716,10 @@ fn offset_norm_rope_matches_cpu_at_model_shapes() -> Result<()> {
                     3.0,
                     dtype,
                 )?;
-                let q2_gpu = to_gpu(&q2, &gpu())?;
                 rope_check(
                     &format!("offset_rms_norm_rope q [{batch}, {seq_len}] R {rotary} {dtype:?}"),
-                    &q2.narrow(3, 0, HEAD_DIM)?,
-                    &q2_gpu.narrow(3, 0, HEAD_DIM)?,
+                    &q2,
+                    |q2| q2.narrow(3, 0, HEAD_DIM),
                     &scale,
                     &cos,
                     &sin,
@@ -1718,7 +1735,7 @@ fn offset_norm_rope_matches_cpu_at_model_shapes() -> Result<()> {
                 rope_check(
                     &format!("offset_rms_norm_rope k [{batch}, {seq_len}] R {rotary} {dtype:?}"),
                     &k,
-                    &to_gpu(&k, &gpu())?,
+                    |k| Ok(k.clone()),
                     &scale,
                     &cos,
                     &sin,
@@ -1736,24 +1753,26 @@ fn offset_norm_rope_matches_cpu_at_odd_shapes_and_layouts() -> Result<()> {
     // contiguous tensor (read in place at its start offset), and head dims
     // of one to eight warps per row with a single rotated pair.
     let x = random(&mut rng, &[2, HEADS, 5, HEAD_DIM], -3.0, 3.0, DType::BF16)?;
-    let x_gpu = to_gpu(&x, &gpu())?;
     let scale = random(&mut rng, &[HEAD_DIM], 0.5, 1.5, DType::F32)?;
     let (cos, sin) = rope_tables(&[7, 70_000], 5, ROTARY, DType::BF16)?;
     rope_check(
         "offset_rms_norm_rope transposed view",
-        &x.transpose(1, 2)?,
-        &x_gpu.transpose(1, 2)?,
+        &x,
+        |x| x.transpose(1, 2),
         &scale,
         &cos,
         &sin,
     )?;
-    let rows = x.reshape((2 * HEADS * 5, HEAD_DIM))?;
-    let rows_gpu = x_gpu.reshape((2 * HEADS * 5, HEAD_DIM))?;
     let (cos, sin) = rope_tables(&[0], 4, ROTARY, DType::BF16)?;
+    let row_range = |x: &Tensor| {
+        x.reshape((2 * HEADS * 5, HEAD_DIM))?
+            .narrow(0, 9, 12)?
+            .reshape((1, 4, 3, HEAD_DIM))
+    };
     rope_check(
         "offset_rms_norm_rope start offset",
-        &rows.narrow(0, 9, 12)?.reshape((1, 4, 3, HEAD_DIM))?,
-        &rows_gpu.narrow(0, 9, 12)?.reshape((1, 4, 3, HEAD_DIM))?,
+        &x,
+        row_range,
         &scale,
         &cos,
         &sin,
@@ -1761,13 +1780,12 @@ fn offset_norm_rope_matches_cpu_at_odd_shapes_and_layouts() -> Result<()> {
     for width in [2, 24, 257, 513, 1025] {
         for dtype in [DType::F32, DType::BF16] {
             let x2 = random(&mut rng, &[3, 2, 5, 2 * width], -3.0, 3.0, dtype)?;
-            let x2_gpu = to_gpu(&x2, &gpu())?;
             let scale = random(&mut rng, &[width], 0.5, 1.5, DType::F32)?;
             let (cos, sin) = rope_tables(&[1, 2, 3], 2, 2, dtype)?;
             rope_check(
                 &format!("offset_rms_norm_rope width {width} {dtype:?}"),
-                &x2.narrow(3, width, width)?,
-                &x2_gpu.narrow(3, width, width)?,
+                &x2,
+                |x2| x2.narrow(3, width, width),
                 &scale,
                 &cos,
                 &sin,
@@ -1779,48 +1797,38 @@ fn offset_norm_rope_matches_cpu_at_odd_shapes_and_layouts() -> Result<()> {
 
 #[test]
 fn sigmoid_gate_mul_matches_cpu_at_model_shapes() -> Result<()> {
-    let mut seed = 2600;
-    for (batch, seq_len) in [(1, 1), (4, 1), (1, 37), (4, 37)] {
-        for dtype in [DType::F32, DType::BF16, DType::F16] {
-            seed += 1;
-            let mut rng = Rng::new(seed);
-            let device = gpu();
-            let x = random(
-                &mut rng,
-                &[batch, seq_len, HEADS, HEAD_DIM],
-                -4.0,
-                4.0,
-                dtype,
-            )?;
-            let x_gpu = to_gpu(&x, &device)?;
-            // The gate: the second half of each head of the interleaved
-            // q | gate projection, read in place.
-            let q2 = random(
-                &mut rng,
-                &[batch, seq_len, HEADS, 2 * HEAD_DIM],
-                -8.0,
-                8.0,
-                dtype,
-            )?;
-            let q2_gpu = to_gpu(&q2, &device)?;
-            let gate = q2.narrow(3, HEAD_DIM, HEAD_DIM)?;
-            let gate_gpu = q2_gpu.narrow(3, HEAD_DIM, HEAD_DIM)?;
-            let cpu = sigmoid_gate_mul(&x, &gate)?;
-            let what = format!("sigmoid_gate_mul [{batch}, {seq_len}] {dtype:?}");
-            let cuda = sigmoid_gate_mul(&x_gpu, &gate_gpu)?;
-            assert!(cuda.is_contiguous(), "{what}: result is not contiguous");
-            compare(&what, &cuda, &cpu, output_tol(dtype))?;
-            // A contiguous gate, and a transposed x (copied before the launch).
-            let x_t_gpu = x_gpu.transpose(1, 2)?.contiguous()?.transpose(1, 2)?;
-            compare(
-                &format!("{what} contiguous gate, transposed x"),
-                &sigmoid_gate_mul(&x_t_gpu, &gate_gpu.contiguous()?)?,
-                &cpu,
-                output_tol(dtype),
-            )?;
-        }
-    }
-    Ok(())
+    let cases = [(1, 1), (4, 1), (1, 37), (4, 37)];
+    sweep(2600, cases, &ALL_DTYPES, |rng, (batch, seq_len), dtype| {
+        let device = gpu();
+        let x = random(rng, &[batch, seq_len, HEADS, HEAD_DIM], -4.0, 4.0, dtype)?;
+        let x_gpu = to_gpu(&x, &device)?;
+        // The gate: the second half of each head of the interleaved
+        // q | gate projection, read in place.
+        let q2 = random(
+            rng,
+            &[batch, seq_len, HEADS, 2 * HEAD_DIM],
+            -8.0,
+            8.0,
+            dtype,
+        )?;
+        let q2_gpu = to_gpu(&q2, &device)?;
+        let gate = q2.narrow(3, HEAD_DIM, HEAD_DIM)?;
+        let gate_gpu = q2_gpu.narrow(3, HEAD_DIM, HEAD_DIM)?;
+        let cpu = sigmoid_gate_mul(&x, &gate)?;
+        let what = format!("sigmoid_gate_mul [{batch}, {seq_len}] {dtype:?}");
+        let cuda = sigmoid_gate_mul(&x_gpu, &gate_gpu)?;
+        assert!(cuda.is_contiguous(), "{what}: result is not contiguous");
+        compare(&what, &cuda, &cpu, output_tol(dtype))?;
+        // A contiguous gate, and a transposed x (copied before the launch).
+        let x_t_gpu = x_gpu.transpose(1, 2)?.contiguous()?.transpose(1, 2)?;
+        compare(
+            &format!("{what} contiguous gate, transposed x"),
+            &sigmoid_gate_mul(&x_t_gpu, &gate_gpu.contiguous()?)?,
+            &cpu,
+            output_tol(dtype),
+        )
+        .map(drop)
+    })
 }
 
 // ------------------------------------------------------------ moe_experts

@@ -64,10 +64,7 @@ pub(crate) fn attn_res_mix(
     let query = launch.input_as("pseudo_query", pseudo_query, DType::F32)?;
     let out = launch.output(&[tokens, hidden], out_dtype)?;
     let outputs = launch.run(|p| {
-        let addresses = sources
-            .iter()
-            .map(|&source| p.input(source))
-            .collect::<Vec<_>>();
+        let addresses = p.inputs(&sources);
         // SAFETY: as in `kda_gate`; `addresses` lives across the call.
         Ok(unsafe {
             berrylm_attn_res_mix(

@@ -114,6 +114,28 @@ __device__ __forceinline__ int frag_pos(int m, int k) {
     return ((m & 7) * 4 + (k & 3)) * 4 + (m >> 3) + 2 * (k >> 2);
 }
 
+// Writes a (16 * MT) x (8 * KS) matrix, element (m, k) = value(m, k), as
+// its m16 x k8 TF32 A fragments (tile (mt, ks) at unit mt * KS + ks, lane by
+// lane, each lane's 4 registers as one float4), items `first`, `first +
+// stride`, ... of its MT * KS * 32 float4s: coalesced when consecutive
+// threads take consecutive items.
+template <int MT, int KS, typename Value>
+__device__ __forceinline__ void store_a_fragments(float* dst, int first, int stride,
+                                                  Value value) {
+    for (int item = first; item < MT * KS * 32; item += stride) {
+        const int unit = item >> 5, fl = item & 31;
+        const int mt = unit / KS, ks = unit % KS;
+        float vals[4];
+#pragma unroll
+        for (int reg = 0; reg < 4; ++reg) {
+            const int m = mt * 16 + (fl >> 2) + 8 * (reg & 1);
+            const int k = ks * 8 + (fl & 3) + 4 * (reg >> 1);
+            vals[reg] = value(m, k);
+        }
+        *reinterpret_cast<float4*>(dst + item * 4) = make_float4(vals[0], vals[1], vals[2], vals[3]);
+    }
+}
+
 __device__ __forceinline__ void cp_async16(float* smem, const float* gmem) {
     const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
@@ -193,19 +215,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
     // decay is one exp2f (max. error 2 ulp) of a difference (one thread per
     // channel; these arrays are disjoint).
     for (int i = warp; i < kL; i += kPrepThreads / 32) {
-        float q_sq = 0.0f, k_sq = 0.0f;
-        for (int c = lane; c < kKP; c += 32) {
-            q_sq += sQ[i][c] * sQ[i][c];
-            k_sq += sK[i][c] * sK[i][c];
-        }
-        q_sq = berrylm::warp_sum(q_sq);
-        k_sq = berrylm::warp_sum(k_sq);
-        const float q_inv = 1.0f / sqrtf(q_sq + kL2NormEps);
-        const float k_inv = 1.0f / sqrtf(k_sq + kL2NormEps);
-        for (int c = lane; c < kKP; c += 32) {
-            sQ[i][c] = (sQ[i][c] * q_inv) * args.query_scale;
-            sK[i][c] = sK[i][c] * k_inv;
-        }
+        l2_normalize_qk(sQ[i], sK[i], kKP, lane, args.query_scale);
     }
     if (tid < kKP) {
         double running = 0.0;
@@ -294,45 +304,14 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
         const int ft = tid - kSolveThreads;
         // (f) Q~ and Ke^T as A fragments, Aqk as A fragments, exp(G_L): one
         // float4 (4 elements of one lane) per item, coalesced.
-        for (int item = ft; item < 4 * 16 * 32; item += kSolveThreads) {
-            const int unit = item >> 5, fl = item & 31;
-            const int mt = unit / 16, ks = unit % 16;
-            float vals[4];
-#pragma unroll
-            for (int reg = 0; reg < 4; ++reg) {
-                const int i = mt * 16 + (fl >> 2) + 8 * (reg & 1);
-                const int c = ks * 8 + (fl & 3) + 4 * (reg >> 1);
-                vals[reg] = tf32(sQ[i][c] * exp2f(sG[i][c]));
-            }
-            *reinterpret_cast<float4*>(out + kOffQ + item * 4) =
-                make_float4(vals[0], vals[1], vals[2], vals[3]);
-        }
-        for (int item = ft; item < 8 * 8 * 32; item += kSolveThreads) {
-            const int unit = item >> 5, fl = item & 31;
-            const int mt = unit / 8, ks = unit % 8;
-            float vals[4];
-#pragma unroll
-            for (int reg = 0; reg < 4; ++reg) {
-                const int c = mt * 16 + (fl >> 2) + 8 * (reg & 1);
-                const int j = ks * 8 + (fl & 3) + 4 * (reg >> 1);
-                vals[reg] = tf32(sK[j][c] * exp2f(sG[kL - 1][c] - sG[j][c]));
-            }
-            *reinterpret_cast<float4*>(out + kOffKe + item * 4) =
-                make_float4(vals[0], vals[1], vals[2], vals[3]);
-        }
-        for (int item = ft; item < 4 * 8 * 32; item += kSolveThreads) {
-            const int unit = item >> 5, fl = item & 31;
-            const int mt = unit / 8, ks = unit % 8;
-            float vals[4];
-#pragma unroll
-            for (int reg = 0; reg < 4; ++reg) {
-                const int i = mt * 16 + (fl >> 2) + 8 * (reg & 1);
-                const int j = ks * 8 + (fl & 3) + 4 * (reg >> 1);
-                vals[reg] = tf32(sB[i][j]);
-            }
-            *reinterpret_cast<float4*>(out + kOffAqk + item * 4) =
-                make_float4(vals[0], vals[1], vals[2], vals[3]);
-        }
+        store_a_fragments<4, 16>(out + kOffQ, ft, kSolveThreads, [&](int i, int c) {
+            return tf32(sQ[i][c] * exp2f(sG[i][c]));
+        });
+        store_a_fragments<8, 8>(out + kOffKe, ft, kSolveThreads, [&](int c, int j) {
+            return tf32(sK[j][c] * exp2f(sG[kL - 1][c] - sG[j][c]));
+        });
+        store_a_fragments<4, 8>(out + kOffAqk, ft, kSolveThreads,
+                                [&](int i, int j) { return tf32(sB[i][j]); });
         if (ft < kKP) out[kOffGl + ft] = exp2f(sG[kL - 1][ft]);
     } else {
         // (e) Forward substitution, one thread per column of [K~ | V] (128 +

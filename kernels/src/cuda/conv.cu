@@ -13,10 +13,10 @@
 // of a KDA layer come out as three tensors).
 //
 // The state of sequence b is row r(b) of a state buffer [rows, C, K]:
-// r(b) = b for `berrylm_causal_conv1d` (separate [B, C, K] state and
-// new_state buffers), r(b) = slots[b] for `berrylm_causal_conv1d_in_pool`,
-// which reads the states from rows of a pool and writes the new ones back
-// into the same rows in place. A slot >= rows makes its sequence a no-op (no
+// r(b) = b without slots (separate [B, C, K] state and new_state buffers),
+// r(b) = slots[b] with them, for a pool from whose rows the states are read
+// and into whose rows the new ones are written in place (new_state ==
+// state). A slot >= rows makes its sequence a no-op (no
 // state read or written, its outputs left unwritten); the Rust API validates
 // the slots on the host, so this only guards memory outside the pool.
 //
@@ -60,6 +60,18 @@ struct History {
     long long state_base;  // index of state[r(b), c, 0]
     int channels;
     int kernel_size;
+    // The history of channel c of sequence b, whose state is row `row` of
+    // `state` ([rows, C, K]).
+    __device__ __forceinline__ static History of(const TX* x, const TS* state, int b, int c,
+                                                 long long row, int seq_len, int channels,
+                                                 int kernel_size) {
+        return History{x,
+                       state,
+                       static_cast<long long>(b) * seq_len * channels + c,
+                       (row * channels + c) * kernel_size,
+                       channels,
+                       kernel_size};
+    }
     __device__ __forceinline__ float operator()(int i) const {
         return i < kernel_size
                    ? berrylm::to_f32(state[state_base + i])
@@ -110,12 +122,7 @@ __global__ void __launch_bounds__(kThreads)
     const int t0 = blockIdx.y * kChunk;
     const int t1 = min(seq_len, t0 + kChunk);
     const int k = KC > 0 ? KC : kernel_size;
-    History<TX, TS> history{x,
-                            rows.state,
-                            static_cast<long long>(b) * seq_len * channels + c,
-                            (row * channels + c) * k,
-                            channels,
-                            k};
+    const auto history = History<TX, TS>::of(x, rows.state, b, c, row, seq_len, channels, k);
     const float* taps = weight + static_cast<long long>(c) * k;
     int group = 0;
     while (group + 1 < groups.count && c >= groups.start[group + 1]) ++group;
@@ -166,12 +173,8 @@ __global__ void __launch_bounds__(kThreads)
     const int b = blockIdx.y;
     const long long row = state_row(rows, b);
     if (row < 0) return;
-    const History<TX, TS> history{x,
-                                  rows.state,
-                                  static_cast<long long>(b) * seq_len * channels + c,
-                                  (row * channels + c) * kernel_size,
-                                  channels,
-                                  kernel_size};
+    const auto history =
+        History<TX, TS>::of(x, rows.state, b, c, row, seq_len, channels, kernel_size);
     write_new_state(history, rows.new_state + history.state_base, seq_len);
 }
 
@@ -206,11 +209,11 @@ int launch(const void* x, const float* weight, const StateRows<TS>& rows,
     return berrylm::launch_status();
 }
 
-// The in-pool update (`rows.state == rows.new_state`, slots given): one
-// launch for a single chunk, else the convolution without the state write
-// followed by `state_update_kernel` (see the header).
+// The in-place update of a pool (`rows.state == rows.new_state`, slots
+// given): one launch for a single chunk, else the convolution without the
+// state write followed by `state_update_kernel` (see the header).
 template <typename TX, typename TS>
-int launch_in_pool(const void* x, const float* weight, const StateRows<TS>& rows,
+int launch_in_place(const void* x, const float* weight, const StateRows<TS>& rows,
                    const OutputGroups& groups, int batch, int seq_len, int channels,
                    int kernel_size, cudaStream_t stream) {
     if (chunk_count(seq_len) == 1) {
@@ -249,52 +252,34 @@ inline bool output_groups(void* const* outs, const int* widths, int num_groups, 
 using namespace berrylm::conv;
 
 // `outs[g]` receives the `widths[g]` channels after those of the groups before
-// it; the widths sum to `channels`. `state` and `new_state` are [B, C, K].
+// it; the widths sum to `channels`. Sequence b reads its state from row
+// slots[b] of `state` ([state_rows, C, K] in `state_dtype`) and writes the
+// new one to that row of `new_state`; with `slots` null, row b (state_rows =
+// batch). `new_state` may equal `state`: a pool read and updated in place,
+// whose slots must be distinct. A slot >= state_rows makes its sequence a
+// no-op.
 extern "C" int berrylm_causal_conv1d(int x_dtype, int state_dtype, const void* x,
-                                     const float* weight, const void* state,
-                                     void* const* outs, const int* widths, int num_groups,
-                                     void* new_state, int batch, int seq_len, int channels,
-                                     int kernel_size, void* stream) {
+                                     const float* weight, const void* state, void* new_state,
+                                     const uint32_t* slots, int state_rows, void* const* outs,
+                                     const int* widths, int num_groups, int batch, int seq_len,
+                                     int channels, int kernel_size, void* stream) {
     if (batch == 0 || channels == 0 || kernel_size <= 0) return 0;
     OutputGroups groups{};
-    if (batch > 65535 || !output_groups(outs, widths, num_groups, channels, groups)) {
+    if (batch > 65535 || state_rows < 0 ||
+        !output_groups(outs, widths, num_groups, channels, groups)) {
         return static_cast<int>(cudaErrorInvalidValue);
     }
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     BERRYLM_DISPATCH_DTYPE(x_dtype, TX, {
         BERRYLM_DISPATCH_DTYPE(state_dtype, TS, {
             const StateRows<TS> rows{static_cast<const TS*>(state), static_cast<TS*>(new_state),
-                                     nullptr, batch};
+                                     slots, state_rows};
+            if (state == new_state) {
+                return launch_in_place<TX, TS>(x, weight, rows, groups, batch, seq_len, channels,
+                                               kernel_size, s);
+            }
             return launch<TX, TS>(x, weight, rows, groups, batch, seq_len, channels, kernel_size,
                                   s);
-        });
-    });
-    return 0;
-}
-
-// berrylm_causal_conv1d for `batch` sequences whose states are rows
-// `slots[b]` of `pool` ([pool_rows, C, K] in `pool_dtype`), read and
-// updated in place (the new state in the pool's dtype). The slots must be
-// distinct; a slot >= pool_rows makes its sequence a no-op.
-extern "C" int berrylm_causal_conv1d_in_pool(int x_dtype, int pool_dtype, const void* x,
-                                             const float* weight, void* pool,
-                                             const uint32_t* slots, int pool_rows,
-                                             void* const* outs, const int* widths,
-                                             int num_groups, int batch, int seq_len,
-                                             int channels, int kernel_size, void* stream) {
-    if (batch == 0 || channels == 0 || kernel_size <= 0) return 0;
-    OutputGroups groups{};
-    if (batch > 65535 || pool_rows < 0 ||
-        !output_groups(outs, widths, num_groups, channels, groups)) {
-        return static_cast<int>(cudaErrorInvalidValue);
-    }
-    cudaStream_t s = static_cast<cudaStream_t>(stream);
-    BERRYLM_DISPATCH_DTYPE(x_dtype, TX, {
-        BERRYLM_DISPATCH_DTYPE(pool_dtype, TS, {
-            const StateRows<TS> rows{static_cast<const TS*>(pool), static_cast<TS*>(pool), slots,
-                                     pool_rows};
-            return launch_in_pool<TX, TS>(x, weight, rows, groups, batch, seq_len, channels,
-                                          kernel_size, s);
         });
     });
     return 0;

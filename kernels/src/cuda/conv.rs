@@ -1,4 +1,4 @@
-//! Bindings of `conv.cu`: the split causal convolution, with the carried
+//! Binding of `conv.cu`: the split causal convolution, with the carried
 //! states in and out as tensors or as rows of a conv state pool, read and
 //! updated in place.
 
@@ -6,8 +6,9 @@ use std::ffi::{c_int, c_void};
 
 use candle_core::{DType, Tensor};
 
-use super::{c_size, dtype_code, Launch, Out, Outputs};
-use crate::{invalid_argument, Result};
+use super::{c_size, dtype_code, Args, In, Launch, Out};
+use crate::conv::ConvDims;
+use crate::{invalid_argument, Result, StatePool};
 
 const OP: &str = "causal_conv1d";
 
@@ -18,25 +19,9 @@ extern "C" {
         x: *const c_void,
         weight: *const f32,
         state: *const c_void,
-        outs: *const *mut c_void,
-        widths: *const c_int,
-        num_groups: c_int,
         new_state: *mut c_void,
-        batch: c_int,
-        seq_len: c_int,
-        channels: c_int,
-        kernel_size: c_int,
-        stream: *mut c_void,
-    ) -> c_int;
-
-    fn berrylm_causal_conv1d_in_pool(
-        x_dtype: c_int,
-        pool_dtype: c_int,
-        x: *const c_void,
-        weight: *const f32,
-        pool: *mut c_void,
         slots: *const u32,
-        pool_rows: c_int,
+        state_rows: c_int,
         outs: *const *mut c_void,
         widths: *const c_int,
         num_groups: c_int,
@@ -46,40 +31,6 @@ extern "C" {
         kernel_size: c_int,
         stream: *mut c_void,
     ) -> c_int;
-}
-
-/// The outputs of a split convolution (`conv.cu`'s output groups): checks
-/// the batch against the kernels' grid (`B` is its z dimension), declares
-/// one `[B, T, width]` output per group of channels, and returns them with
-/// the widths as the launchers take them.
-fn declare_outputs(
-    launch: &mut Launch,
-    batch: usize,
-    seq_len: usize,
-    widths: &[usize],
-    dtype: DType,
-) -> Result<(Vec<Out>, Vec<c_int>)> {
-    if batch > 65535 {
-        return Err(invalid_argument(
-            OP,
-            "x",
-            format!("batch size {batch} exceeds the CUDA kernel's 65535"),
-        ));
-    }
-    let outputs = widths
-        .iter()
-        .map(|&width| launch.output(&[batch, seq_len, width], dtype))
-        .collect::<Result<Vec<_>>>()?;
-    let widths = widths
-        .iter()
-        .map(|&width| c_size(OP, "widths", width))
-        .collect::<Result<Vec<_>>>()?;
-    Ok((outputs, widths))
-}
-
-/// The tensors of the output groups.
-fn group_tensors(outputs: &Outputs, groups: &[Out]) -> Vec<Tensor> {
-    groups.iter().map(|&group| outputs.tensor(group)).collect()
 }
 
 /// CUDA `causal_conv1d_split`; arguments already validated by the caller.
@@ -88,50 +39,35 @@ pub(crate) fn causal_conv1d(
     weight: &Tensor,
     state: &Tensor,
     widths: &[usize],
-    batch: usize,
-    seq_len: usize,
-    kernel_size: usize,
+    dims: &ConvDims,
 ) -> Result<(Vec<Tensor>, Tensor)> {
     let mut launch = Launch::new(OP, x)?;
-    let x = launch.input("x", x)?;
-    let weight = launch.input_as("weight", weight, DType::F32)?;
+    let call = ConvCall::declare(&mut launch, x, weight, widths, dims)?;
     let state = launch.input("state", state)?;
-    let (x_dtype, state_dtype) = (launch.dtype(x), launch.dtype(state));
-    let (groups, group_widths) = declare_outputs(&mut launch, batch, seq_len, widths, x_dtype)?;
-    let channels = widths.iter().sum();
-    let new_state = launch.output(&[batch, channels, kernel_size], state_dtype)?;
+    let state_dtype = launch.dtype(state);
+    let new_state = launch.output(&[dims.batch, dims.channels, dims.kernel_size], state_dtype)?;
+    let state_dtype = dtype_code(OP, state_dtype)?;
     let outputs = launch.run(|p| {
-        let outs = groups
-            .iter()
-            .map(|&group| p.output(group))
-            .collect::<Vec<_>>();
-        // SAFETY: as in `kda_gate`; `outs` and `group_widths` live across
-        // the call.
+        // SAFETY: as in `kda_gate`; sequence `b` reads row `b` of `state`
+        // and writes row `b` of `new_state` (no slots: `B` rows).
         Ok(unsafe {
-            berrylm_causal_conv1d(
-                dtype_code(OP, x_dtype)?,
-                dtype_code(OP, state_dtype)?,
-                p.input(x),
-                p.input(weight),
+            call.launch(
+                p,
+                state_dtype,
                 p.input(state),
-                outs.as_ptr(),
-                group_widths.as_ptr(),
-                c_size(OP, "widths", group_widths.len())?,
                 p.output(new_state),
-                c_size(OP, "x", batch)?,
-                c_size(OP, "x", seq_len)?,
-                c_size(OP, "x", channels)?,
-                c_size(OP, "weight", kernel_size)?,
-                p.stream(),
+                std::ptr::null(),
+                call.batch,
             )
         })
     })?;
-    Ok((group_tensors(&outputs, &groups), outputs.tensor(new_state)))
+    let groups = call.groups.iter().map(|&group| outputs.tensor(group));
+    Ok((groups.collect(), outputs.tensor(new_state)))
 }
 
 /// CUDA `causal_conv1d_split_in_pool`; arguments already validated by the
-/// caller (`x` `[B, T, C]`, `weight` `[C, K]`, `pool` contiguous
-/// `[S, C, K]`, `slots` u32 `[B]`, `widths` summing to `C`).
+/// caller (`x` `[B, T, C]`, `weight` `[C, K]`, `pool.states` contiguous
+/// `[S, C, K]`, `pool.slots` u32 `[B]`, `widths` summing to `C`).
 ///
 /// One call of the launcher: the convolution reads each sequence's state
 /// from its pool row and the new state is written back into that row, after
@@ -139,56 +75,124 @@ pub(crate) fn causal_conv1d(
 pub(crate) fn causal_conv1d_in_pool(
     x: &Tensor,
     weight: &Tensor,
-    pool: &Tensor,
-    slots: &Tensor,
+    pool: StatePool<'_>,
     widths: &[usize],
+    dims: &ConvDims,
 ) -> Result<Vec<Tensor>> {
-    let (batch, seq_len, channels) = x.dims3()?;
-    let kernel_size = weight.dim(1)?;
-    let pool_rows = pool.dim(0)?;
     let mut launch = Launch::new(OP, x)?;
-    let x = launch.input("x", x)?;
-    let weight = launch.input_as("weight", weight, DType::F32)?;
-    let slots = launch.input("slots", slots)?;
-    launch.in_pool(pool)?;
-    let x_dtype = launch.dtype(x);
-    let (groups, group_widths) = declare_outputs(&mut launch, batch, seq_len, widths, x_dtype)?;
-    let x_dtype = dtype_code(OP, x_dtype)?;
-    let pool_rows = c_size(OP, "pool", pool_rows)?;
-    let [batch, seq_len, channels, kernel_size] = [
-        c_size(OP, "x", batch)?,
-        c_size(OP, "x", seq_len)?,
-        c_size(OP, "x", channels)?,
-        c_size(OP, "weight", kernel_size)?,
-    ];
+    let call = ConvCall::declare(&mut launch, x, weight, widths, dims)?;
+    let slots = launch.input("slots", pool.slots)?;
+    launch.in_pool(pool.states)?;
+    let pool_dtype = dtype_code(OP, pool.states.dtype())?;
+    let pool_rows = c_size(OP, "pool", pool.states.dim(0)?)?;
     let outputs = launch.run(|p| {
-        let outs = groups
-            .iter()
-            .map(|&group| p.output(group))
-            .collect::<Vec<_>>();
         // SAFETY: as in `kda_gate`; the pool is `pool_rows` contiguous rows
-        // of `C * K` elements of its dtype from `p.pool()`, and the kernels
-        // touch only rows `slots[b] < pool_rows`; `outs` and `group_widths`
-        // live across the call.
-        Ok(unsafe {
-            berrylm_causal_conv1d_in_pool(
-                x_dtype,
-                dtype_code(OP, p.pool_dtype())?,
-                p.input(x),
-                p.input(weight),
-                p.pool(),
-                p.input(slots),
-                pool_rows,
-                outs.as_ptr(),
-                group_widths.as_ptr(),
-                group_widths.len() as c_int,
-                batch,
-                seq_len,
-                channels,
-                kernel_size,
-                p.stream(),
-            )
-        })
+        // of `C * K` elements of its dtype from `p.pool()`, read and written
+        // in place, and the kernels touch only rows `slots[b] < pool_rows`.
+        Ok(unsafe { call.launch(p, pool_dtype, p.pool(), p.pool(), p.input(slots), pool_rows) })
     })?;
-    Ok(group_tensors(&outputs, &groups))
+    Ok(call
+        .groups
+        .iter()
+        .map(|&group| outputs.tensor(group))
+        .collect())
+}
+
+/// What the two bindings pass `berrylm_causal_conv1d` alike: `x` and the
+/// weights, one output per group of channels (`conv.cu`'s output groups),
+/// and the sizes.
+struct ConvCall {
+    x_dtype: c_int,
+    x: In,
+    weight: In,
+    groups: Vec<Out>,
+    group_widths: Vec<c_int>,
+    batch: c_int,
+    seq_len: c_int,
+    channels: c_int,
+    kernel_size: c_int,
+}
+
+impl ConvCall {
+    /// Checks the batch against the kernels' grid (`B` is its z dimension)
+    /// and declares `x`, the weights (as f32) and one `[B, T, width]` output
+    /// in the dtype of `x` per entry of `widths` on `launch`.
+    fn declare(
+        launch: &mut Launch,
+        x: &Tensor,
+        weight: &Tensor,
+        widths: &[usize],
+        dims: &ConvDims,
+    ) -> Result<Self> {
+        if dims.batch > 65535 {
+            return Err(invalid_argument(
+                OP,
+                "x",
+                format!("batch size {} exceeds the CUDA kernel's 65535", dims.batch),
+            ));
+        }
+        let x = launch.input("x", x)?;
+        let weight = launch.input_as("weight", weight, DType::F32)?;
+        let x_dtype = launch.dtype(x);
+        let groups = widths
+            .iter()
+            .map(|&width| launch.output(&[dims.batch, dims.seq_len, width], x_dtype))
+            .collect::<Result<Vec<_>>>()?;
+        let group_widths = widths
+            .iter()
+            .map(|&width| c_size(OP, "widths", width))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            x_dtype: dtype_code(OP, x_dtype)?,
+            x,
+            weight,
+            groups,
+            group_widths,
+            batch: c_size(OP, "x", dims.batch)?,
+            seq_len: c_size(OP, "x", dims.seq_len)?,
+            channels: c_size(OP, "x", dims.channels)?,
+            kernel_size: c_size(OP, "weight", dims.kernel_size)?,
+        })
+    }
+
+    /// Calls `berrylm_causal_conv1d` with the addresses of this call's
+    /// inputs and outputs in `p` and the states (of dtype code
+    /// `state_dtype`): sequence `b` reads row `slots[b]` (row `b` when
+    /// `slots` is null) of the `state_rows` rows of `state` and writes its
+    /// new state to that row of `new_state`.
+    ///
+    /// # Safety
+    ///
+    /// `p` is the launch's [`Args`], and the state pointers address
+    /// `state_rows` rows of `C * K` elements of that dtype (`slots`, when not
+    /// null, `B` u32 values).
+    unsafe fn launch(
+        &self,
+        p: &Args,
+        state_dtype: c_int,
+        state: *const c_void,
+        new_state: *mut c_void,
+        slots: *const u32,
+        state_rows: c_int,
+    ) -> c_int {
+        let outs = p.outputs(&self.groups);
+        berrylm_causal_conv1d(
+            self.x_dtype,
+            state_dtype,
+            p.input(self.x),
+            p.input(self.weight),
+            state,
+            new_state,
+            slots,
+            state_rows,
+            outs.as_ptr(),
+            self.group_widths.as_ptr(),
+            self.group_widths.len() as c_int,
+            self.batch,
+            self.seq_len,
+            self.channels,
+            self.kernel_size,
+            p.stream(),
+        )
+    }
 }

@@ -5,6 +5,7 @@ use std::ffi::{c_int, c_void};
 use candle_core::{DType, Tensor};
 
 use super::{c_size, dtype_code, Launch};
+use crate::gate::KdaGateArgs;
 use crate::Result;
 
 extern "C" {
@@ -32,23 +33,15 @@ extern "C" {
 }
 
 /// CUDA `kda_gate`; arguments already validated by the caller.
-pub(crate) fn kda_gate(
-    raw: &Tensor,
-    a_log: &Tensor,
-    dt_bias: &Tensor,
-    tokens: usize,
-    num_heads: usize,
-    head_dim: usize,
-    lower_bound: Option<f32>,
-) -> Result<Tensor> {
+pub(crate) fn kda_gate(args: &KdaGateArgs<'_>) -> Result<Tensor> {
     const OP: &str = "kda_gate";
-    let mut launch = Launch::new(OP, raw)?;
-    let raw = launch.input("raw", raw)?;
-    let a_log = launch.input_as("a_log", a_log, DType::F32)?;
-    let dt_bias = launch.input_as("dt_bias", dt_bias, DType::F32)?;
+    let mut launch = Launch::new(OP, args.raw)?;
+    let raw = launch.input("raw", args.raw)?;
+    let a_log = launch.input_as("a_log", args.a_log, DType::F32)?;
+    let dt_bias = launch.input_as("dt_bias", args.dt_bias, DType::F32)?;
     let raw_dtype = launch.dtype(raw);
-    let out = launch.output(&[tokens, num_heads, head_dim], DType::F32)?;
-    let (has_lb, lb) = match lower_bound {
+    let out = launch.output(&[args.tokens, args.num_heads, args.head_dim], DType::F32)?;
+    let (has_lb, lb) = match args.lower_bound {
         Some(bound) => (1, bound),
         None => (0, 0.0),
     };
@@ -63,9 +56,9 @@ pub(crate) fn kda_gate(
                 p.input(a_log),
                 p.input(dt_bias),
                 p.output(out),
-                tokens as i64,
-                c_size(OP, "raw", num_heads * head_dim)?,
-                c_size(OP, "raw", head_dim)?,
+                args.tokens as i64,
+                c_size(OP, "raw", args.num_heads * args.head_dim)?,
+                c_size(OP, "raw", args.head_dim)?,
                 has_lb,
                 lb,
                 p.stream(),

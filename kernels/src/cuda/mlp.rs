@@ -6,6 +6,7 @@ use std::ffi::{c_int, c_void};
 use candle_core::Tensor;
 
 use super::{c_size, dtype_code, Launch};
+use crate::mlp::AddMoeOutputArgs;
 use crate::Result;
 
 extern "C" {
@@ -56,21 +57,15 @@ pub(crate) fn swiglu(gate_up: &Tensor, intermediate: usize, out_dims: &[usize]) 
     Ok(outputs.tensor(out))
 }
 
-/// CUDA `add_moe_output`; arguments already validated by the caller (all
-/// four of one dtype, `[N, hidden]` and `[N, 1]`).
-pub(crate) fn add_moe_output(
-    residual: &Tensor,
-    routed: &Tensor,
-    shared: &Tensor,
-    gate_logit: &Tensor,
-    hidden: usize,
-) -> Result<Tensor> {
+/// CUDA `add_moe_output`; arguments already validated by the caller.
+pub(crate) fn add_moe_output(args: &AddMoeOutputArgs<'_>) -> Result<Tensor> {
     const OP: &str = "add_moe_output";
-    let mut launch = Launch::new(OP, residual)?;
-    let residual = launch.input("residual", residual)?;
-    let routed = launch.input("routed", routed)?;
-    let shared = launch.input("shared", shared)?;
-    let gate_logit = launch.input("gate_logit", gate_logit)?;
+    let hidden = args.hidden;
+    let mut launch = Launch::new(OP, args.residual)?;
+    let residual = launch.input("residual", args.residual)?;
+    let routed = launch.input("routed", args.routed)?;
+    let shared = launch.input("shared", args.shared)?;
+    let gate_logit = launch.input("gate_logit", args.gate_logit)?;
     let dtype = launch.dtype(residual);
     let shape = launch.shape(residual).clone();
     let rows = shape.elem_count() / hidden.max(1);

@@ -46,7 +46,7 @@ pub(crate) use gate_mul::sigmoid_gate_mul;
 pub(crate) use mlp::{add_moe_output, swiglu};
 pub(crate) use moe::{moe_experts, MoeDims};
 pub(crate) use norm::{gated_rms_norm, offset_rms_norm};
-pub(crate) use recurrence::{kda_recurrence, kda_recurrence_in_pool, RecurrenceParams};
+pub(crate) use recurrence::{kda_recurrence, kda_recurrence_in_pool};
 pub(crate) use rope::offset_rms_norm_rope;
 pub(crate) use route::moe_route;
 
@@ -339,16 +339,23 @@ impl Args<'_> {
         address as *mut T
     }
 
+    /// The addresses of `inputs`, in order (for a launcher taking an array
+    /// of them).
+    fn inputs<T: DeviceElem>(&self, inputs: &[In]) -> Vec<*const T> {
+        inputs.iter().map(|&input| self.input(input)).collect()
+    }
+
+    /// The addresses of `outputs`, in order (for a launcher taking an array
+    /// of them).
+    fn outputs<T: DeviceElem>(&self, outputs: &[Out]) -> Vec<*mut T> {
+        outputs.iter().map(|&output| self.output(output)).collect()
+    }
+
     /// The address of the pool's first element (only with a pool).
     fn pool<T: DeviceElem>(&self) -> *mut T {
         let (address, dtype) = self.pool.expect("a launch in a pool");
         debug_assert!(T::takes(dtype), "the pool is {dtype:?}");
         address as *mut T
-    }
-
-    /// The pool's dtype (only with a pool).
-    fn pool_dtype(&self) -> DType {
-        self.pool.expect("a launch in a pool").1
     }
 
     /// Candle's stream of the device, as the launchers take it.

@@ -6,6 +6,7 @@ use std::ffi::{c_int, c_void};
 use candle_core::{DType, Tensor};
 
 use super::{c_size, dtype_code, Launch};
+use crate::norm::GatedRmsNormArgs;
 use crate::Result;
 
 extern "C" {
@@ -38,26 +39,20 @@ extern "C" {
 }
 
 /// CUDA `gated_rms_norm`; arguments already validated by the caller.
-pub(crate) fn gated_rms_norm(
-    x: &Tensor,
-    z: &Tensor,
-    weight: &Tensor,
-    eps: f64,
-    rows: usize,
-    width: usize,
-) -> Result<Tensor> {
+pub(crate) fn gated_rms_norm(args: &GatedRmsNormArgs<'_>) -> Result<Tensor> {
     const OP: &str = "gated_rms_norm";
-    let mut launch = Launch::new(OP, x)?;
-    let x = launch.input("x", x)?;
+    let (rows, width) = (args.rows, args.width);
+    let mut launch = Launch::new(OP, args.x)?;
+    let x = launch.input("x", args.x)?;
     let x_dtype = launch.dtype(x);
     // z is read in its own dtype when it matches x, else widened to f32.
-    let z_dtype = if z.dtype() == x_dtype {
+    let z_dtype = if args.z.dtype() == x_dtype {
         x_dtype
     } else {
         DType::F32
     };
-    let z = launch.input_as("z", z, z_dtype)?;
-    let weight = launch.input_as("weight", weight, DType::F32)?;
+    let z = launch.input_as("z", args.z, z_dtype)?;
+    let weight = launch.input_as("weight", args.weight, DType::F32)?;
     let out = launch.output(&[rows, width], x_dtype)?;
     let outputs = launch.run(|p| {
         // SAFETY: as in `kda_gate`.
@@ -71,7 +66,7 @@ pub(crate) fn gated_rms_norm(
                 p.output(out),
                 rows as i64,
                 c_size(OP, "x", width)?,
-                eps as f32,
+                args.eps as f32,
                 p.stream(),
             )
         })

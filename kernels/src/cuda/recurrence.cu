@@ -28,7 +28,7 @@
 //   B * Hv >= 128 (about one block per SM or more); the `tiles` kernel, with
 //   4x more blocks, serves smaller decode batches.
 //
-// In a pool (berrylm_kda_recurrence_in_pool), every kernel reads and writes
+// In a pool (berrylm_kda_recurrence with slots), every kernel reads and writes
 // the state of sequence b at row slots[b] of the pool, in place
 // (`state_row` in recurrence.cuh says why that is safe); the kernel choice
 // is the same as for separate state arrays.
@@ -146,20 +146,7 @@ __global__ void __launch_bounds__(NW * 32)
 
         // Normalise q and k of each token in place (one warp per token).
         for (int tok = warp; tok < count; tok += NW) {
-            float q_sq = 0.0f, k_sq = 0.0f;
-            for (int c = lane; c < dk; c += 32) {
-                const float qc = sh_q[tok][c], kc = sh_k[tok][c];
-                q_sq += qc * qc;
-                k_sq += kc * kc;
-            }
-            q_sq = berrylm::warp_sum(q_sq);
-            k_sq = berrylm::warp_sum(k_sq);
-            const float q_inv = 1.0f / sqrtf(q_sq + kL2NormEps);
-            const float k_inv = 1.0f / sqrtf(k_sq + kL2NormEps);
-            for (int c = lane; c < dk; c += 32) {
-                sh_q[tok][c] = (sh_q[tok][c] * q_inv) * args.query_scale;
-                sh_k[tok][c] = sh_k[tok][c] * k_inv;
-            }
+            l2_normalize_qk(sh_q[tok], sh_k[tok], dk, lane, args.query_scale);
         }
         __syncthreads();
 
@@ -266,15 +253,8 @@ __global__ void __launch_bounds__(kRowsWarps * 32, 2)
     const float beta = args.beta[head];
     __syncthreads();
 
-    float q_sq = 0.0f, k_sq = 0.0f;
-    for (int c = lane; c < dk; c += 32) {
-        q_sq += sh_q[c] * sh_q[c];
-        k_sq += sh_k[c] * sh_k[c];
-    }
-    q_sq = berrylm::warp_sum(q_sq);
-    k_sq = berrylm::warp_sum(k_sq);
-    const float q_inv = 1.0f / sqrtf(q_sq + kL2NormEps);
-    const float k_inv = 1.0f / sqrtf(k_sq + kL2NormEps);
+    const float2 inv = inverse_l2_norms(sh_q, sh_k, dk, lane);
+    const float q_inv = inv.x, k_inv = inv.y;
 
     float4 u = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
@@ -380,25 +360,6 @@ int launch(const RecurrenceArgs& args, int batch, PrefillAlgorithm prefill, cuda
     return static_cast<int>(cudaErrorInvalidValue);
 }
 
-// Checks the sizes and the algorithm, then launches on `stream`. `args`
-// has everything but `query_scale`.
-static int check_and_launch(int qkv_dtype, RecurrenceArgs args, int batch, int prefill_algorithm,
-                            void* stream) {
-    if (prefill_algorithm != kPrefillSequential && prefill_algorithm != kPrefillChunked) {
-        return static_cast<int>(cudaErrorInvalidValue);
-    }
-    if (batch == 0 || args.value_heads == 0 || args.key_dim == 0 || args.value_dim == 0) return 0;
-    if (batch > 65535 || args.value_heads > 65535 || args.key_heads <= 0 ||
-        args.value_heads % args.key_heads != 0 || args.key_dim > 256 || args.state_rows < 0) {
-        return static_cast<int>(cudaErrorInvalidValue);
-    }
-    args.query_scale = static_cast<float>(1.0 / sqrt(static_cast<double>(args.key_dim)));
-    const PrefillAlgorithm prefill = static_cast<PrefillAlgorithm>(prefill_algorithm);
-    cudaStream_t s = static_cast<cudaStream_t>(stream);
-    BERRYLM_DISPATCH_DTYPE(qkv_dtype, T, { return launch<T>(args, batch, prefill, s); });
-    return 0;
-}
-
 }  // namespace berrylm::recurrence
 
 using namespace berrylm::recurrence;
@@ -406,7 +367,15 @@ using namespace berrylm::recurrence;
 // Largest key dim the kernels support (checked by src/cuda/recurrence.rs).
 extern "C" int berrylm_kda_recurrence_max_key_dim() { return 256; }
 
-// q, k, v share `qkv_dtype`; g, beta and the states are f32.
+// The recurrence of `batch` sequences. q, k, v share `qkv_dtype`; g, beta
+// and the states are f32.
+//
+// Sequence b starts from row slots[b] of `state_in` ([state_rows, Hv, dk, dv])
+// and writes its final state to that row of `state_out`; with `slots` null,
+// from row b (state_rows = batch). `state_out` may equal `state_in`: a pool
+// read and updated in place, whose slots must be distinct. A slot >=
+// state_rows makes its sequence a no-op (nothing read or written, outputs
+// unwritten).
 //
 // `prefill_algorithm` selects how calls with T > 1 are computed:
 //   0 (kPrefillSequential): the token-by-token `tiles` kernel (f32);
@@ -417,27 +386,24 @@ extern "C" int berrylm_kda_recurrence_max_key_dim() { return 256; }
 // with cudaErrorInvalidValue.
 extern "C" int berrylm_kda_recurrence(int qkv_dtype, const void* q, const void* k, const void* v,
                                       const float* g, const float* beta, const float* state_in,
-                                      float* out, float* state_out, int batch, int seq_len,
-                                      int key_heads, int value_heads, int key_dim, int value_dim,
+                                      float* state_out, const uint32_t* slots, int state_rows,
+                                      float* out, int batch, int seq_len, int key_heads,
+                                      int value_heads, int key_dim, int value_dim,
                                       int prefill_algorithm, void* stream) {
-    const RecurrenceArgs args{q,     k,       v,       g,         beta,        state_in,
-                              out,   state_out, nullptr, batch,   seq_len,     key_heads,
-                              value_heads, key_dim, value_dim, 0.0f};
-    return check_and_launch(qkv_dtype, args, batch, prefill_algorithm, stream);
-}
-
-// berrylm_kda_recurrence for `batch` sequences whose states are rows
-// `slots[b]` of `pool` ([pool_rows, Hv, dk, dv] f32), read and updated in
-// place. The slots must be distinct; a slot >= pool_rows makes its sequence
-// a no-op (nothing read or written, outputs unwritten).
-extern "C" int berrylm_kda_recurrence_in_pool(int qkv_dtype, const void* q, const void* k,
-                                              const void* v, const float* g, const float* beta,
-                                              float* pool, const uint32_t* slots, int pool_rows,
-                                              float* out, int batch, int seq_len, int key_heads,
-                                              int value_heads, int key_dim, int value_dim,
-                                              int prefill_algorithm, void* stream) {
-    const RecurrenceArgs args{q,     k,    v,     g,         beta,     pool,
-                              out,   pool, slots, pool_rows, seq_len,  key_heads,
-                              value_heads, key_dim, value_dim, 0.0f};
-    return check_and_launch(qkv_dtype, args, batch, prefill_algorithm, stream);
+    if (prefill_algorithm != kPrefillSequential && prefill_algorithm != kPrefillChunked) {
+        return static_cast<int>(cudaErrorInvalidValue);
+    }
+    if (batch == 0 || value_heads == 0 || key_dim == 0 || value_dim == 0) return 0;
+    if (batch > 65535 || value_heads > 65535 || key_heads <= 0 || value_heads % key_heads != 0 ||
+        key_dim > 256 || state_rows < 0) {
+        return static_cast<int>(cudaErrorInvalidValue);
+    }
+    const float query_scale = static_cast<float>(1.0 / sqrt(static_cast<double>(key_dim)));
+    const RecurrenceArgs args{q,         k,          v,     g,          beta,    state_in,
+                              out,       state_out,  slots, state_rows, seq_len, key_heads,
+                              value_heads, key_dim,  value_dim, query_scale};
+    const PrefillAlgorithm prefill = static_cast<PrefillAlgorithm>(prefill_algorithm);
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    BERRYLM_DISPATCH_DTYPE(qkv_dtype, T, { return launch<T>(args, batch, prefill, s); });
+    return 0;
 }

@@ -39,6 +39,32 @@ __device__ __forceinline__ long long state_row(const RecurrenceArgs& args, int b
     return slot < static_cast<uint32_t>(args.state_rows) ? static_cast<long long>(slot) : -1;
 }
 
+// The inverse L2 norms 1 / sqrt(sum(x^2) + eps) of one token's q and k
+// (x and y), `width` channels each, in every lane of the calling warp (lane
+// l sums channels l, l + 32, ...).
+__device__ __forceinline__ float2 inverse_l2_norms(const float* q, const float* k, int width,
+                                                   int lane) {
+    float q_sq = 0.0f, k_sq = 0.0f;
+    for (int c = lane; c < width; c += 32) {
+        q_sq += q[c] * q[c];
+        k_sq += k[c] * k[c];
+    }
+    q_sq = berrylm::warp_sum(q_sq);
+    k_sq = berrylm::warp_sum(k_sq);
+    return make_float2(1.0f / sqrtf(q_sq + kL2NormEps), 1.0f / sqrtf(k_sq + kL2NormEps));
+}
+
+// Normalises one token's q (then scaled by `query_scale`) and k in place,
+// one warp.
+__device__ __forceinline__ void l2_normalize_qk(float* q, float* k, int width, int lane,
+                                                float query_scale) {
+    const float2 inv = inverse_l2_norms(q, k, width, lane);
+    for (int c = lane; c < width; c += 32) {
+        q[c] = (q[c] * inv.x) * query_scale;
+        k[c] = k[c] * inv.y;
+    }
+}
+
 // Largest head dims of the chunked prefill.
 constexpr int kChunkMaxDk = 128;
 constexpr int kChunkMaxDv = 128;

@@ -1,4 +1,4 @@
-//! Bindings of `recurrence.cu` (and through it `chunked.cu`): the KDA
+//! Binding of `recurrence.cu` (and through it `chunked.cu`): the KDA
 //! recurrence, with the states in and out as tensors or as rows of an `f32`
 //! state pool, updated in place.
 
@@ -6,8 +6,9 @@ use std::ffi::{c_int, c_void};
 
 use candle_core::{DType, Tensor};
 
-use super::{c_size, dtype_code, In, Launch};
-use crate::{invalid_argument, KdaPrefillAlgorithm, Result};
+use super::{c_size, dtype_code, Args, In, Launch, Out};
+use crate::recurrence::{KdaTokens, RecurrenceDims};
+use crate::{invalid_argument, KdaPrefillAlgorithm, Result, StatePool};
 
 /// Values of `berrylm_kda_recurrence`'s `prefill_algorithm` argument
 /// (`berrylm::recurrence::PrefillAlgorithm` in recurrence.cu).
@@ -25,28 +26,9 @@ extern "C" {
         g: *const f32,
         beta: *const f32,
         state_in: *const f32,
-        out: *mut f32,
         state_out: *mut f32,
-        batch: c_int,
-        seq_len: c_int,
-        key_heads: c_int,
-        value_heads: c_int,
-        key_dim: c_int,
-        value_dim: c_int,
-        prefill_algorithm: c_int,
-        stream: *mut c_void,
-    ) -> c_int;
-
-    fn berrylm_kda_recurrence_in_pool(
-        qkv_dtype: c_int,
-        q: *const c_void,
-        k: *const c_void,
-        v: *const c_void,
-        g: *const f32,
-        beta: *const f32,
-        pool: *mut f32,
         slots: *const u32,
-        pool_rows: c_int,
+        state_rows: c_int,
         out: *mut f32,
         batch: c_int,
         seq_len: c_int,
@@ -57,154 +39,171 @@ extern "C" {
         prefill_algorithm: c_int,
         stream: *mut c_void,
     ) -> c_int;
-}
-
-/// Sizes and prefill algorithm of one `kda_recurrence_with` call.
-pub(crate) struct RecurrenceParams {
-    /// Applied by the kernel launcher to calls with `T > 1` (see
-    /// `berrylm_kda_recurrence` in recurrence.cu).
-    pub algorithm: KdaPrefillAlgorithm,
-    pub batch: usize,
-    pub seq_len: usize,
-    pub key_heads: usize,
-    pub value_heads: usize,
-    pub key_dim: usize,
-    pub value_dim: usize,
 }
 
 /// CUDA `kda_recurrence_with`; arguments already validated by the caller.
 pub(crate) fn kda_recurrence(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    g: &Tensor,
-    beta: &Tensor,
+    tokens: &KdaTokens<'_>,
     state: &Tensor,
-    params: &RecurrenceParams,
+    dims: &RecurrenceDims,
+    algorithm: KdaPrefillAlgorithm,
 ) -> Result<(Tensor, Tensor)> {
     const OP: &str = "kda_recurrence";
-    let prefill_algorithm = check_recurrence_limits(OP, params)?;
-    let mut launch = Launch::new(OP, q)?;
-    let (qkv_dtype, [q, k, v, g, beta]) = declare_inputs(&mut launch, q, k, v, g, beta)?;
+    let mut launch = Launch::new(OP, tokens.q)?;
+    let call = RecurrenceCall::declare(OP, &mut launch, tokens, dims, algorithm)?;
     let state = launch.input_as("state", state, DType::F32)?;
-    let RecurrenceParams {
-        batch,
-        seq_len,
-        value_heads,
-        key_dim,
-        value_dim,
-        ..
-    } = *params;
-    let out = launch.output(&[batch, seq_len, value_heads, value_dim], DType::F32)?;
-    let new_state = launch.output(&[batch, value_heads, key_dim, value_dim], DType::F32)?;
+    let state_shape = [dims.batch, dims.value_heads, dims.key_dim, dims.value_dim];
+    let new_state = launch.output(&state_shape, DType::F32)?;
+    let state_rows = c_size(OP, "state", dims.batch)?;
     let outputs = launch.run(|p| {
-        let qkv_dtype = dtype_code(OP, qkv_dtype)?;
-        let [batch, seq_len, key_heads, value_heads, key_dim, value_dim] = c_sizes(OP, params)?;
-        // SAFETY: as in `kda_gate`.
+        // SAFETY: as in `kda_gate`; sequence `b` reads row `b` of `state`
+        // and writes row `b` of `new_state` (no slots: `B` rows).
         Ok(unsafe {
-            berrylm_kda_recurrence(
-                qkv_dtype,
-                p.input(q),
-                p.input(k),
-                p.input(v),
-                p.input(g),
-                p.input(beta),
+            call.launch(
+                p,
                 p.input(state),
-                p.output(out),
                 p.output(new_state),
-                batch,
-                seq_len,
-                key_heads,
-                value_heads,
-                key_dim,
-                value_dim,
-                prefill_algorithm,
-                p.stream(),
+                std::ptr::null(),
+                state_rows,
             )
         })
     })?;
-    Ok((outputs.tensor(out), outputs.tensor(new_state)))
+    Ok((outputs.tensor(call.out), outputs.tensor(new_state)))
 }
 
 /// CUDA `kda_recurrence_in_pool_with`; arguments already validated by the
-/// caller (`pool` f32, contiguous, `[pool_rows, Hv, dk, dv]`; `slots` u32
-/// `[B]`).
-#[allow(clippy::too_many_arguments)] // the public function's arguments
+/// caller (`pool.states` f32, contiguous, `[pool_rows, Hv, dk, dv]`;
+/// `pool.slots` u32 `[B]`).
 pub(crate) fn kda_recurrence_in_pool(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    g: &Tensor,
-    beta: &Tensor,
-    pool: &Tensor,
-    slots: &Tensor,
+    tokens: &KdaTokens<'_>,
+    pool: StatePool<'_>,
     pool_rows: usize,
-    params: &RecurrenceParams,
+    dims: &RecurrenceDims,
+    algorithm: KdaPrefillAlgorithm,
 ) -> Result<Tensor> {
     const OP: &str = "kda_recurrence_in_pool";
-    let prefill_algorithm = check_recurrence_limits(OP, params)?;
-    let mut launch = Launch::new(OP, q)?;
-    let (qkv_dtype, [q, k, v, g, beta]) = declare_inputs(&mut launch, q, k, v, g, beta)?;
-    let slots = launch.input("slots", slots)?;
-    launch.in_pool(pool)?;
-    let RecurrenceParams {
-        batch,
-        seq_len,
-        value_heads,
-        value_dim,
-        ..
-    } = *params;
-    let out = launch.output(&[batch, seq_len, value_heads, value_dim], DType::F32)?;
-    let qkv_dtype = dtype_code(OP, qkv_dtype)?;
+    let mut launch = Launch::new(OP, tokens.q)?;
+    let call = RecurrenceCall::declare(OP, &mut launch, tokens, dims, algorithm)?;
+    let slots = launch.input("slots", pool.slots)?;
+    launch.in_pool(pool.states)?;
     let pool_rows = c_size(OP, "pool", pool_rows)?;
-    let [batch, seq_len, key_heads, value_heads, key_dim, value_dim] = c_sizes(OP, params)?;
     let outputs = launch.run(|p| {
-        if p.pool_dtype() != DType::F32 {
-            return Err(invalid_argument(
-                OP,
-                "pool",
-                format!("dtype {:?}, expected f32", p.pool_dtype()),
-            ));
-        }
         // SAFETY: as in `kda_gate`; the pool is `pool_rows` contiguous rows
-        // of `Hv * dk * dv` f32 values from `p.pool()`, and the kernels
-        // touch only rows `slots[b] < pool_rows`.
-        Ok(unsafe {
-            berrylm_kda_recurrence_in_pool(
-                qkv_dtype,
-                p.input(q),
-                p.input(k),
-                p.input(v),
-                p.input(g),
-                p.input(beta),
-                p.pool(),
-                p.input(slots),
-                pool_rows,
-                p.output(out),
-                batch,
-                seq_len,
-                key_heads,
-                value_heads,
-                key_dim,
-                value_dim,
-                prefill_algorithm,
-                p.stream(),
-            )
-        })
+        // of `Hv * dk * dv` f32 values from `p.pool()`, read and written in
+        // place, and the kernels touch only rows `slots[b] < pool_rows`.
+        Ok(unsafe { call.launch(p, p.pool(), p.pool(), p.input(slots), pool_rows) })
     })?;
-    Ok(outputs.tensor(out))
+    Ok(outputs.tensor(call.out))
+}
+
+/// What the two bindings pass `berrylm_kda_recurrence` alike: the token
+/// inputs and the output declared on the launch, the sizes and the prefill
+/// algorithm.
+struct RecurrenceCall {
+    qkv_dtype: c_int,
+    /// q, k, v, g, beta.
+    inputs: [In; 5],
+    out: Out,
+    /// `B`, `T`, `Hk`, `Hv`, `dk`, `dv`.
+    sizes: [c_int; 6],
+    prefill_algorithm: c_int,
+}
+
+impl RecurrenceCall {
+    /// Checks the sizes against the kernels' limits and declares the token
+    /// inputs as the kernels read them (q, k and v in one dtype, mixed dtypes
+    /// widened to f32, exact; g and beta in f32) and the output
+    /// `[B, T, Hv, dv]` (f32) on `launch`.
+    fn declare(
+        op: &'static str,
+        launch: &mut Launch,
+        tokens: &KdaTokens<'_>,
+        dims: &RecurrenceDims,
+        algorithm: KdaPrefillAlgorithm,
+    ) -> Result<Self> {
+        let prefill_algorithm = check_recurrence_limits(op, dims, algorithm)?;
+        let KdaTokens { q, k, v, g, beta } = *tokens;
+        let qkv_dtype = if q.dtype() == k.dtype() && q.dtype() == v.dtype() {
+            q.dtype()
+        } else {
+            DType::F32
+        };
+        let inputs = [
+            launch.input_as("q", q, qkv_dtype)?,
+            launch.input_as("k", k, qkv_dtype)?,
+            launch.input_as("v", v, qkv_dtype)?,
+            launch.input_as("g", g, DType::F32)?,
+            launch.input_as("beta", beta, DType::F32)?,
+        ];
+        let out_shape = [dims.batch, dims.seq_len, dims.value_heads, dims.value_dim];
+        Ok(Self {
+            qkv_dtype: dtype_code(op, qkv_dtype)?,
+            inputs,
+            out: launch.output(&out_shape, DType::F32)?,
+            sizes: [
+                c_size(op, "q", dims.batch)?,
+                c_size(op, "q", dims.seq_len)?,
+                c_size(op, "q", dims.key_heads)?,
+                c_size(op, "v", dims.value_heads)?,
+                c_size(op, "q", dims.key_dim)?,
+                c_size(op, "v", dims.value_dim)?,
+            ],
+            prefill_algorithm,
+        })
+    }
+
+    /// Calls `berrylm_kda_recurrence` with the addresses of this call's
+    /// inputs and output in `p` and the states: sequence `b` reads row
+    /// `slots[b]` (row `b` when `slots` is null) of the `state_rows` rows of
+    /// `state_in` and writes its final state to that row of `state_out`.
+    ///
+    /// # Safety
+    ///
+    /// `p` is the launch's [`Args`], and the state pointers address
+    /// `state_rows` rows of `Hv * dk * dv` f32 values (`slots`, when not
+    /// null, `B` u32 values).
+    unsafe fn launch(
+        &self,
+        p: &Args,
+        state_in: *const f32,
+        state_out: *mut f32,
+        slots: *const u32,
+        state_rows: c_int,
+    ) -> c_int {
+        let [q, k, v, g, beta] = self.inputs;
+        let [batch, seq_len, key_heads, value_heads, key_dim, value_dim] = self.sizes;
+        berrylm_kda_recurrence(
+            self.qkv_dtype,
+            p.input(q),
+            p.input(k),
+            p.input(v),
+            p.input(g),
+            p.input(beta),
+            state_in,
+            state_out,
+            slots,
+            state_rows,
+            p.output(self.out),
+            batch,
+            seq_len,
+            key_heads,
+            value_heads,
+            key_dim,
+            value_dim,
+            self.prefill_algorithm,
+            p.stream(),
+        )
+    }
 }
 
 /// Fails unless the sizes fit the recurrence kernels; returns the
-/// `prefill_algorithm` argument of the launchers.
-fn check_recurrence_limits(op: &'static str, params: &RecurrenceParams) -> Result<c_int> {
-    let RecurrenceParams {
-        algorithm,
-        batch,
-        value_heads,
-        key_dim,
-        ..
-    } = *params;
+/// `prefill_algorithm` argument of the launcher.
+fn check_recurrence_limits(
+    op: &'static str,
+    dims: &RecurrenceDims,
+    algorithm: KdaPrefillAlgorithm,
+) -> Result<c_int> {
+    let (batch, value_heads, key_dim) = (dims.batch, dims.value_heads, dims.key_dim);
     // SAFETY: a plain query of a constant.
     let max_key_dim = unsafe { berrylm_kda_recurrence_max_key_dim() } as usize;
     if key_dim > max_key_dim {
@@ -225,44 +224,4 @@ fn check_recurrence_limits(op: &'static str, params: &RecurrenceParams) -> Resul
         KdaPrefillAlgorithm::Sequential => PREFILL_SEQUENTIAL,
         KdaPrefillAlgorithm::Chunked => PREFILL_CHUNKED,
     })
-}
-
-/// The sizes as the launchers take them: `B`, `T`, `Hk`, `Hv`, `dk`, `dv`.
-fn c_sizes(op: &'static str, params: &RecurrenceParams) -> Result<[c_int; 6]> {
-    Ok([
-        c_size(op, "q", params.batch)?,
-        c_size(op, "q", params.seq_len)?,
-        c_size(op, "q", params.key_heads)?,
-        c_size(op, "v", params.value_heads)?,
-        c_size(op, "q", params.key_dim)?,
-        c_size(op, "v", params.value_dim)?,
-    ])
-}
-
-/// Declares the token inputs of the recurrence as the kernels read them: q,
-/// k and v in one dtype (mixed dtypes widened to f32, exact), g and beta in
-/// f32. Returns that dtype and the inputs.
-fn declare_inputs(
-    launch: &mut Launch,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    g: &Tensor,
-    beta: &Tensor,
-) -> Result<(DType, [In; 5])> {
-    let qkv_dtype = if q.dtype() == k.dtype() && q.dtype() == v.dtype() {
-        q.dtype()
-    } else {
-        DType::F32
-    };
-    Ok((
-        qkv_dtype,
-        [
-            launch.input_as("q", q, qkv_dtype)?,
-            launch.input_as("k", k, qkv_dtype)?,
-            launch.input_as("v", v, qkv_dtype)?,
-            launch.input_as("g", g, DType::F32)?,
-            launch.input_as("beta", beta, DType::F32)?,
-        ],
-    ))
 }

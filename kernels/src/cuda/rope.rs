@@ -11,6 +11,7 @@ use std::ffi::{c_int, c_void};
 use candle_core::{DType, Tensor};
 
 use super::{c_size, dtype_code, Launch};
+use crate::rope::NormRopeArgs;
 use crate::Result;
 
 extern "C" {
@@ -32,24 +33,15 @@ extern "C" {
     ) -> c_int;
 }
 
-/// CUDA `offset_rms_norm_rope`; arguments already validated by the caller
-/// (`x` `[B, T, H, D]`, `scale` `f32` `[D]`, `cos` and `sin` `[B, T, rotary]`
-/// in the dtype of `x`).
-pub(crate) fn offset_rms_norm_rope(
-    x: &Tensor,
-    scale: &Tensor,
-    eps: f64,
-    cos: &Tensor,
-    sin: &Tensor,
-    rotary: usize,
-) -> Result<Tensor> {
+/// CUDA `offset_rms_norm_rope`; arguments already validated by the caller.
+pub(crate) fn offset_rms_norm_rope(args: &NormRopeArgs<'_>) -> Result<Tensor> {
     const OP: &str = "offset_rms_norm_rope";
-    let mut launch = Launch::new(OP, x)?;
-    let (batch, seq_len, heads, width) = x.dims4()?;
-    let (x, x_stride) = launch.input_rows("x", x)?;
-    let scale = launch.input_as("scale", scale, DType::F32)?;
-    let cos = launch.input("cos", cos)?;
-    let sin = launch.input("sin", sin)?;
+    let mut launch = Launch::new(OP, args.x)?;
+    let (batch, seq_len, heads, width) = args.x.dims4()?;
+    let (x, x_stride) = launch.input_rows("x", args.x)?;
+    let scale = launch.input_as("scale", args.scale, DType::F32)?;
+    let cos = launch.input("cos", args.cos)?;
+    let sin = launch.input("sin", args.sin)?;
     let dtype = launch.dtype(x);
     let rows = batch * seq_len * heads;
     // What candle's `mean_keepdim` multiplies the sum by, and the `eps` its
@@ -72,9 +64,9 @@ pub(crate) fn offset_rms_norm_rope(
                 rows as i64,
                 c_size(OP, "x", heads)?,
                 c_size(OP, "x", width)?,
-                c_size(OP, "cos", rotary)?,
+                c_size(OP, "cos", args.rotary)?,
                 inv_width,
-                eps as f32,
+                args.eps as f32,
                 p.stream(),
             )
         })

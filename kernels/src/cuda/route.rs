@@ -5,6 +5,7 @@ use std::ffi::{c_int, c_void};
 use candle_core::{DType, Tensor};
 
 use super::{c_size, dtype_code, Launch};
+use crate::route::MoeRouteArgs;
 use crate::{invalid_argument, Result};
 
 /// The most experts `moe_route` takes on CUDA (`kMaxExperts` in route.cu: one
@@ -27,15 +28,9 @@ extern "C" {
 }
 
 /// CUDA `moe_route`; arguments already validated by the caller.
-pub(crate) fn moe_route(
-    router_logits: &Tensor,
-    rows: usize,
-    experts: usize,
-    top_k: usize,
-    renormalize: bool,
-    weight_dtype: DType,
-) -> Result<(Tensor, Tensor)> {
+pub(crate) fn moe_route(args: &MoeRouteArgs<'_>) -> Result<(Tensor, Tensor)> {
     const OP: &str = "moe_route";
+    let (rows, experts, top_k) = (args.rows, args.experts, args.top_k);
     if experts > MAX_MOE_EXPERTS {
         return Err(invalid_argument(
             OP,
@@ -50,8 +45,8 @@ pub(crate) fn moe_route(
             format!("{rows} rows exceed the CUDA kernel's maximum {}", i32::MAX),
         ));
     }
-    let mut launch = Launch::new(OP, router_logits)?;
-    let logits = launch.input("router_logits", router_logits)?;
+    let mut launch = Launch::new(OP, args.router_logits)?;
+    let logits = launch.input("router_logits", args.router_logits)?;
     let logits_dtype = launch.dtype(logits);
     let weights = launch.output(&[rows, top_k], DType::F32)?;
     let ids = launch.output(&[rows, top_k], DType::U32)?;
@@ -66,8 +61,8 @@ pub(crate) fn moe_route(
                 rows as i64,
                 c_size(OP, "router_logits", experts)?,
                 c_size(OP, "top_k", top_k)?,
-                c_int::from(renormalize),
-                dtype_code(OP, weight_dtype)?,
+                c_int::from(args.renormalize),
+                dtype_code(OP, args.weight_dtype)?,
                 p.stream(),
             )
         })

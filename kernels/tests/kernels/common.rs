@@ -1,6 +1,6 @@
 //! Helpers shared by the kernel tests.
 
-use berrylm_kernels::Result;
+use berrylm_kernels::{KernelError, Result};
 use candle_core::{DType, Device, Tensor};
 
 /// A small deterministic PRNG (SplitMix64).
@@ -67,6 +67,20 @@ pub fn assert_identical(actual: &Tensor, expected: &Tensor) -> Result<()> {
     assert_eq!(actual.dtype(), expected.dtype(), "dtypes differ");
     assert_eq!(f32_values(actual)?, f32_values(expected)?, "values differ");
     Ok(())
+}
+
+/// Asserts that `result` is an invalid-argument error of `op` naming `arg`.
+pub fn assert_rejects<T: std::fmt::Debug>(result: Result<T>, op: &str, arg: &str) {
+    match result {
+        Err(KernelError::InvalidArgument {
+            op: error_op,
+            arg: error_arg,
+            reason,
+        }) => {
+            assert_eq!((error_op, error_arg), (op, arg), "reason: {reason}");
+        }
+        other => panic!("expected {op} to reject `{arg}`, got {other:?}"),
+    }
 }
 
 /// `x * sigmoid(x)` in `f64`.

@@ -1,9 +1,11 @@
 use berrylm_kernels::{
-    causal_conv1d, causal_conv1d_split, causal_conv1d_split_in_pool, KernelError, Result, StatePool,
+    causal_conv1d, causal_conv1d_split, causal_conv1d_split_in_pool, Result, StatePool,
 };
 use candle_core::{DType, Device, Tensor};
 
-use crate::common::{assert_close, assert_identical, f32_values, f64_values, silu, tensor, Rng};
+use crate::common::{
+    assert_close, assert_identical, assert_rejects, f32_values, f64_values, silu, tensor, Rng,
+};
 
 const BATCH: usize = 2;
 const CHANNELS: usize = 3;
@@ -228,12 +230,8 @@ fn split_outputs_are_the_unsplit_columns() -> Result<()> {
 fn split_rejects_widths_that_do_not_cover_the_channels() -> Result<()> {
     let inputs = inputs(41, 2, true)?;
     for widths in [vec![], vec![1, 1], vec![2, 2], vec![3, 0], vec![1; 5]] {
-        match causal_conv1d_split(&inputs.x, &inputs.weight, &inputs.state, &widths) {
-            Err(KernelError::InvalidArgument { op, arg, .. }) => {
-                assert_eq!((op, arg), ("causal_conv1d", "widths"), "{widths:?}")
-            }
-            other => panic!("{widths:?}: expected an invalid-argument error, got {other:?}"),
-        }
+        let result = causal_conv1d_split(&inputs.x, &inputs.weight, &inputs.state, &widths);
+        assert_rejects(result, "causal_conv1d", "widths");
     }
     Ok(())
 }
@@ -312,23 +310,6 @@ fn in_pool_equals_split_on_gathered_rows() -> Result<()> {
     Ok(())
 }
 
-/// Asserts that `result` is an invalid-argument error of `causal_conv1d`
-/// naming `arg`.
-fn assert_rejects<T: std::fmt::Debug>(result: Result<T>, arg: &str, case: &str) {
-    match result {
-        Err(KernelError::InvalidArgument {
-            op,
-            arg: error_arg,
-            reason,
-        }) => assert_eq!(
-            (op, error_arg),
-            ("causal_conv1d", arg),
-            "{case}: reason: {reason}"
-        ),
-        other => panic!("{case}: expected `{arg}` to be rejected, got {other:?}"),
-    }
-}
-
 /// Slots out of range, duplicated, of the wrong count or disagreeing with
 /// `host_slots`, and pools of the wrong shape or layout are rejected naming
 /// the argument, and leave the pool unchanged.
@@ -349,40 +330,37 @@ fn in_pool_rejects_bad_slots_and_pools() -> Result<()> {
         )
     };
     let slots = |values: &[u32]| Tensor::new(values, &Device::Cpu);
-    for (case, slot_values, host_slots, arg) in [
-        ("out of range", vec![4, 1], vec![4, 1], "host_slots"),
-        ("duplicated", vec![2, 2], vec![2, 2], "host_slots"),
-        ("too few host slots", vec![0, 1], vec![0], "host_slots"),
-        (
-            "too many host slots",
-            vec![0, 1],
-            vec![0, 1, 2],
-            "host_slots",
-        ),
-        ("too many slots", vec![0, 1, 2], vec![0, 1], "slots"),
-        ("slots disagree", vec![0, 1], vec![1, 0], "slots"),
+    for (slot_values, host_slots, arg) in [
+        // Out of range.
+        (vec![4, 1], vec![4, 1], "host_slots"),
+        // Duplicated.
+        (vec![2, 2], vec![2, 2], "host_slots"),
+        // Too few host slots.
+        (vec![0, 1], vec![0], "host_slots"),
+        // Too many host slots.
+        (vec![0, 1], vec![0, 1, 2], "host_slots"),
+        // Too many slots.
+        (vec![0, 1, 2], vec![0, 1], "slots"),
+        // Slots disagreeing with the host slots.
+        (vec![0, 1], vec![1, 0], "slots"),
     ] {
-        assert_rejects(run(&pool, &slots(&slot_values)?, &host_slots), arg, case);
+        let result = run(&pool, &slots(&slot_values)?, &host_slots);
+        assert_rejects(result, "causal_conv1d", arg);
     }
     let good = slots(&[0, 1])?;
-    assert_rejects(
-        run(&pool, &good.to_dtype(DType::F32)?, &[0, 1]),
-        "slots",
-        "f32 slots",
-    );
-    assert_rejects(
-        run(&pool.narrow(2, 0, KERNEL - 1)?, &good, &[0, 1]),
-        "pool",
-        "too few columns",
-    );
-    assert_rejects(
-        run(&pool.narrow(1, 0, CHANNELS - 1)?, &good, &[0, 1]),
-        "pool",
-        "too few channels",
-    );
+    let f32_slots = good.to_dtype(DType::F32)?;
+    let too_few_columns = pool.narrow(2, 0, KERNEL - 1)?;
+    let too_few_channels = pool.narrow(1, 0, CHANNELS - 1)?;
     let transposed =
         Tensor::ones((4, KERNEL, CHANNELS), DType::F32, &Device::Cpu)?.transpose(1, 2)?;
-    assert_rejects(run(&transposed, &good, &[0, 1]), "pool", "not contiguous");
+    for (pool, slots, arg) in [
+        (&pool, &f32_slots, "slots"),
+        (&too_few_columns, &good, "pool"),
+        (&too_few_channels, &good, "pool"),
+        (&transposed, &good, "pool"),
+    ] {
+        assert_rejects(run(pool, slots, &[0, 1]), "causal_conv1d", arg);
+    }
     assert_eq!(
         pool.flatten_all()?.to_vec1::<f32>()?,
         vec![1.0; 4 * CHANNELS * KERNEL]

@@ -1,26 +1,14 @@
 use berrylm_kernels::{
     attn_res_mix, causal_conv1d, gated_rms_norm, kda_gate, kda_recurrence,
     kda_recurrence_in_pool_with, kda_recurrence_with, moe_route, offset_rms_norm,
-    KdaPrefillAlgorithm, KernelError, Result, StatePool,
+    KdaPrefillAlgorithm, Result, StatePool,
 };
+
+use crate::common::assert_rejects;
 use candle_core::{DType, Device, Tensor};
 
 fn zeros(dims: &[usize]) -> Tensor {
     Tensor::zeros(dims, DType::F32, &Device::Cpu).expect("zeros")
-}
-
-/// Asserts that `result` is an invalid-argument error of `op` naming `arg`.
-fn assert_rejects<T: std::fmt::Debug>(result: Result<T>, op: &str, arg: &str) {
-    match result {
-        Err(KernelError::InvalidArgument {
-            op: error_op,
-            arg: error_arg,
-            reason,
-        }) => {
-            assert_eq!((error_op, error_arg), (op, arg), "reason: {reason}");
-        }
-        other => panic!("expected {op} to reject `{arg}`, got {other:?}"),
-    }
 }
 
 #[test]

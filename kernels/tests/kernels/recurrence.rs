@@ -16,6 +16,17 @@ struct Sizes {
     value_dim: usize,
 }
 
+impl Sizes {
+    /// These head sizes for `batch` sequences of `seq_len` tokens.
+    fn with_batch(self, batch: usize, seq_len: usize) -> Sizes {
+        Sizes {
+            batch,
+            seq_len,
+            ..self
+        }
+    }
+}
+
 struct RecurrenceInputs {
     sizes: Sizes,
     q: Tensor,
@@ -132,14 +143,20 @@ fn reference(inputs: &RecurrenceInputs) -> Result<(Vec<f64>, Vec<f64>)> {
     Ok((output, states))
 }
 
+/// `kda_recurrence` of `inputs` from their state.
 fn run(inputs: &RecurrenceInputs) -> Result<(Tensor, Tensor)> {
+    run_from(inputs, &inputs.state)
+}
+
+/// `kda_recurrence` of the token inputs of `inputs` from `state`.
+fn run_from(inputs: &RecurrenceInputs, state: &Tensor) -> Result<(Tensor, Tensor)> {
     kda_recurrence(
         &inputs.q,
         &inputs.k,
         &inputs.v,
         &inputs.g,
         &inputs.beta,
-        &inputs.state,
+        state,
     )
 }
 
@@ -380,14 +397,7 @@ fn run_in_pool(inputs: &RecurrenceInputs, pool: &Tensor, slots: &[u32]) -> Resul
 /// states, every other row untouched (bit for bit).
 fn check_in_pool(inputs: &RecurrenceInputs, pool: &Tensor, slots: &[u32]) -> Result<()> {
     let state = gather(pool, slots)?;
-    let (expected_output, expected_state) = kda_recurrence(
-        &inputs.q,
-        &inputs.k,
-        &inputs.v,
-        &inputs.g,
-        &inputs.beta,
-        &state,
-    )?;
+    let (expected_output, expected_state) = run_from(inputs, &state)?;
     let updated = pool.copy()?;
     let output = run_in_pool(inputs, &updated, slots)?;
     assert_identical(&output, &expected_output)?;
@@ -404,11 +414,7 @@ fn in_pool_matches_recurrence_on_gathered_rows() -> Result<()> {
     for (seed, sizes) in [(20, HF_TEST_SIZES), (21, GROUPED_SIZES)] {
         let slots = [5, 2, 7];
         for seq_len in [1, 4] {
-            let sizes = Sizes {
-                batch: slots.len(),
-                seq_len,
-                ..sizes
-            };
+            let sizes = sizes.with_batch(slots.len(), seq_len);
             let pool = random_pool(seed + 100, sizes, POOL_ROWS)?;
             check_in_pool(&inputs(seed, sizes, false)?, &pool, &slots)?;
         }
@@ -419,11 +425,7 @@ fn in_pool_matches_recurrence_on_gathered_rows() -> Result<()> {
 #[test]
 fn in_pool_accepts_any_slot_order_and_the_last_row() -> Result<()> {
     for slots in [vec![8], vec![0, 8], vec![8, 0, 3, 1], vec![]] {
-        let sizes = Sizes {
-            batch: slots.len(),
-            seq_len: 2,
-            ..GROUPED_SIZES
-        };
+        let sizes = GROUPED_SIZES.with_batch(slots.len(), 2);
         let pool = random_pool(23, sizes, POOL_ROWS)?;
         check_in_pool(&inputs(22, sizes, false)?, &pool, &slots)?;
     }
@@ -432,11 +434,7 @@ fn in_pool_accepts_any_slot_order_and_the_last_row() -> Result<()> {
 
 #[test]
 fn in_pool_empty_sequence_keeps_the_pool() -> Result<()> {
-    let sizes = Sizes {
-        batch: 2,
-        seq_len: 0,
-        ..GROUPED_SIZES
-    };
+    let sizes = GROUPED_SIZES.with_batch(2, 0);
     let pool = random_pool(25, sizes, POOL_ROWS)?;
     let updated = pool.copy()?;
     let output = run_in_pool(&inputs(24, sizes, false)?, &updated, &[4, 1])?;
@@ -449,11 +447,7 @@ fn in_pool_empty_sequence_keeps_the_pool() -> Result<()> {
 /// at an offset is indexed from its own first row.
 #[test]
 fn in_pool_writes_through_shared_storage() -> Result<()> {
-    let sizes = Sizes {
-        batch: 2,
-        seq_len: 1,
-        ..GROUPED_SIZES
-    };
+    let sizes = GROUPED_SIZES.with_batch(2, 1);
     let inputs = inputs(26, sizes, false)?;
     let whole = random_pool(27, sizes, POOL_ROWS + 1)?;
     let original = whole.copy()?;
@@ -461,14 +455,7 @@ fn in_pool_writes_through_shared_storage() -> Result<()> {
     let handle = view.clone();
     let slots = [3, 0];
     let state = gather(&view, &slots)?;
-    let (_, expected_state) = kda_recurrence(
-        &inputs.q,
-        &inputs.k,
-        &inputs.v,
-        &inputs.g,
-        &inputs.beta,
-        &state,
-    )?;
+    let (_, expected_state) = run_from(&inputs, &state)?;
     run_in_pool(&inputs, &view, &slots)?;
     assert_identical(&gather(&handle, &slots)?, &expected_state)?;
     assert_identical(&gather(&whole, &[4, 1])?, &expected_state)?;

@@ -1,7 +1,7 @@
-use berrylm_kernels::{offset_rms_norm, offset_rms_norm_rope, KernelError, Result};
+use berrylm_kernels::{offset_rms_norm, offset_rms_norm_rope, Result};
 use candle_core::{DType, Device, Tensor, D};
 
-use crate::common::{assert_identical, f64_values, tensor, Rng};
+use crate::common::{assert_identical, assert_rejects, f64_values, tensor, Rng};
 
 const BATCH: usize = 2;
 const SEQ_LEN: usize = 3;
@@ -164,23 +164,6 @@ fn offset_rms_norm_rope_f32_matches_f64_reference() -> Result<()> {
     Ok(())
 }
 
-/// Asserts that `result` is an invalid-argument error of
-/// `offset_rms_norm_rope` naming `arg`.
-fn assert_rejects(result: Result<Tensor>, arg: &str) {
-    match result {
-        Err(KernelError::InvalidArgument {
-            op,
-            arg: error_arg,
-            reason,
-        }) => assert_eq!(
-            (op, error_arg),
-            ("offset_rms_norm_rope", arg),
-            "reason: {reason}"
-        ),
-        other => panic!("expected `{arg}` to be rejected, got {other:?}"),
-    }
-}
-
 #[test]
 fn offset_rms_norm_rope_rejects_bad_arguments() -> Result<()> {
     let zeros = |dims: &[usize], dtype: DType| Tensor::zeros(dims, dtype, &Device::Cpu);
@@ -192,9 +175,14 @@ fn offset_rms_norm_rope_rejects_bad_arguments() -> Result<()> {
         offset_rms_norm_rope(x, scale, EPS, cos, sin)
     };
     rope(&x, &scale, &cos, &sin)?;
-    assert_rejects(rope(&x.flatten_to(1)?, &scale, &cos, &sin), "x");
+    assert_rejects(
+        rope(&x.flatten_to(1)?, &scale, &cos, &sin),
+        "offset_rms_norm_rope",
+        "x",
+    );
     assert_rejects(
         rope(&zeros(&[1, 2, 3, 8], DType::U32)?, &scale, &cos, &sin),
+        "offset_rms_norm_rope",
         "x",
     );
     assert_rejects(
@@ -204,24 +192,51 @@ fn offset_rms_norm_rope_rejects_bad_arguments() -> Result<()> {
             &cos,
             &sin,
         ),
+        "offset_rms_norm_rope",
         "x",
     );
-    assert_rejects(rope(&x, &zeros(&[7], DType::F32)?, &cos, &sin), "scale");
-    assert_rejects(rope(&x, &scale.to_dtype(DType::BF16)?, &cos, &sin), "scale");
-    assert_rejects(rope(&x, &scale, &cos.flatten_to(1)?, &sin), "cos");
+    assert_rejects(
+        rope(&x, &zeros(&[7], DType::F32)?, &cos, &sin),
+        "offset_rms_norm_rope",
+        "scale",
+    );
+    assert_rejects(
+        rope(&x, &scale.to_dtype(DType::BF16)?, &cos, &sin),
+        "offset_rms_norm_rope",
+        "scale",
+    );
+    assert_rejects(
+        rope(&x, &scale, &cos.flatten_to(1)?, &sin),
+        "offset_rms_norm_rope",
+        "cos",
+    );
     for rotary in [0, 3, 10] {
         let table = zeros(&[1, 2, rotary], DType::BF16)?;
-        assert_rejects(rope(&x, &scale, &table, &table), "cos");
+        assert_rejects(
+            rope(&x, &scale, &table, &table),
+            "offset_rms_norm_rope",
+            "cos",
+        );
     }
     assert_rejects(
         rope(&x, &scale, &zeros(&[1, 3, 4], DType::BF16)?, &sin),
+        "offset_rms_norm_rope",
         "cos",
     );
-    assert_rejects(rope(&x, &scale, &cos.to_dtype(DType::F32)?, &sin), "cos");
+    assert_rejects(
+        rope(&x, &scale, &cos.to_dtype(DType::F32)?, &sin),
+        "offset_rms_norm_rope",
+        "cos",
+    );
     assert_rejects(
         rope(&x, &scale, &cos, &zeros(&[1, 2, 6], DType::BF16)?),
+        "offset_rms_norm_rope",
         "sin",
     );
-    assert_rejects(rope(&x, &scale, &cos, &sin.to_dtype(DType::F16)?), "sin");
+    assert_rejects(
+        rope(&x, &scale, &cos, &sin.to_dtype(DType::F16)?),
+        "offset_rms_norm_rope",
+        "sin",
+    );
     Ok(())
 }

@@ -1,8 +1,8 @@
 //! Property tests: chunking never changes the result, and no input panics.
 
 use berrylm_parsers::{
-    extract_tool_calls, parse_reasoning, ParserOptions, ReasoningDelta, ReasoningParser,
-    SequentialToolCallIds,
+    extract_tool_calls, parse_reasoning, AssistantMessage, ParserOptions, ReasoningDelta,
+    ReasoningParser, SequentialToolCallIds,
 };
 use proptest::prelude::*;
 use serde_json::{Map, Value};
@@ -157,6 +157,18 @@ fn chunk(text: &str, cuts: &[usize]) -> Vec<String> {
         .collect()
 }
 
+/// Cut positions for [`chunk`] (up to 11, any values).
+fn cuts() -> impl Strategy<Value = Vec<usize>> {
+    prop::collection::vec(any::<usize>(), 0..12)
+}
+
+/// `stream` of `text` cut into chunks at `cuts` (see [`chunk`]).
+fn stream_chunked(text: &str, cuts: &[usize], options: &ParserOptions) -> AssistantMessage {
+    let chunks = chunk(text, cuts);
+    let chunk_refs: Vec<&str> = chunks.iter().map(String::as_str).collect();
+    stream(&chunk_refs, options)
+}
+
 fn parser_options(thinking_enabled: bool, typed: bool) -> ParserOptions {
     if typed {
         options(thinking_enabled)
@@ -169,15 +181,12 @@ proptest! {
     #[test]
     fn any_chunking_gives_the_non_streaming_result(
         text in output_text(),
-        cuts in prop::collection::vec(any::<usize>(), 0..12),
-        thinking_enabled in any::<bool>(),
-        typed in any::<bool>(),
+        cuts in cuts(),
+        (thinking_enabled, typed) in any::<(bool, bool)>(),
     ) {
         let options = parser_options(thinking_enabled, typed);
-        let chunks = chunk(&text, &cuts);
-        let chunk_refs: Vec<&str> = chunks.iter().map(String::as_str).collect();
         let expected = parse(&text, &options);
-        prop_assert_eq!(stream(&chunk_refs, &options), expected.clone());
+        prop_assert_eq!(stream_chunked(&text, &cuts, &options), expected.clone());
         for call in &expected.tool_calls {
             prop_assert!(
                 serde_json::from_str::<Map<String, Value>>(&call.arguments).is_ok(),
@@ -189,7 +198,7 @@ proptest! {
     #[test]
     fn reasoning_parser_ignores_chunking(
         text in output_text(),
-        cuts in prop::collection::vec(any::<usize>(), 0..12),
+        cuts in cuts(),
         thinking_enabled in any::<bool>(),
     ) {
         let mut parser = ReasoningParser::new(thinking_enabled);
@@ -213,15 +222,11 @@ proptest! {
     #[test]
     fn no_input_panics(
         text in any_text(),
-        cuts in prop::collection::vec(any::<usize>(), 0..12),
-        thinking_enabled in any::<bool>(),
-        typed in any::<bool>(),
+        cuts in cuts(),
+        (thinking_enabled, typed) in any::<(bool, bool)>(),
     ) {
         let options = parser_options(thinking_enabled, typed);
-        let chunks = chunk(&text, &cuts);
-        let chunk_refs: Vec<&str> = chunks.iter().map(String::as_str).collect();
-        let streamed = stream(&chunk_refs, &options);
-        prop_assert_eq!(streamed, parse(&text, &options));
+        prop_assert_eq!(stream_chunked(&text, &cuts, &options), parse(&text, &options));
         parse_reasoning(&text, thinking_enabled);
         extract_tool_calls(&text, &request_tools(), SequentialToolCallIds::default());
     }

@@ -1,60 +1,74 @@
 //! Reasoning in the full parser (vLLM `TestReasoningNonStreaming` /
 //! `TestReasoningStreaming`).
 
-use berrylm_parsers::Delta;
+use berrylm_parsers::{AssistantMessage, Delta, ParserOptions};
 
 use crate::support::{
     options, parse, stream_deltas, tool_call, untyped_options, WEATHER_ARGUMENTS, WEATHER_CALL,
 };
 
+/// Parses `output` and asserts its reasoning and content; returns the
+/// message for further checks.
+fn assert_reasoning_and_content(
+    output: &str,
+    options: &ParserOptions,
+    reasoning: Option<&str>,
+    content: Option<&str>,
+) -> AssistantMessage {
+    let parsed = parse(output, options);
+    assert_eq!(parsed.reasoning_content.as_deref(), reasoning);
+    assert_eq!(parsed.content.as_deref(), content);
+    parsed
+}
+
 #[test]
 fn reasoning_then_content() {
-    let parsed = parse(
+    assert_reasoning_and_content(
         "<think>Plan the answer.</think>The answer is 42.",
         &options(true),
+        Some("Plan the answer."),
+        Some("The answer is 42."),
     );
-    assert_eq!(
-        parsed.reasoning_content.as_deref(),
-        Some("Plan the answer.")
-    );
-    assert_eq!(parsed.content.as_deref(), Some("The answer is 42."));
 }
 
 #[test]
 fn template_opened_think() {
-    let parsed = parse("Plan the answer.</think>The answer is 42.", &options(true));
-    assert_eq!(
-        parsed.reasoning_content.as_deref(),
-        Some("Plan the answer.")
+    assert_reasoning_and_content(
+        "Plan the answer.</think>The answer is 42.",
+        &options(true),
+        Some("Plan the answer."),
+        Some("The answer is 42."),
     );
-    assert_eq!(parsed.content.as_deref(), Some("The answer is 42."));
 }
 
 #[test]
 fn repeated_think_open_inside_reasoning_is_absorbed() {
-    let parsed = parse("<think>a<think>b</think>c", &options(true));
-    assert_eq!(parsed.reasoning_content.as_deref(), Some("ab"));
-    assert_eq!(parsed.content.as_deref(), Some("c"));
+    assert_reasoning_and_content(
+        "<think>a<think>b</think>c",
+        &options(true),
+        Some("ab"),
+        Some("c"),
+    );
 }
 
 #[test]
 fn duplicate_think_end_is_dropped() {
-    let parsed = parse("Plan.</think></think>The answer is 42.", &options(true));
-    assert_eq!(parsed.reasoning_content.as_deref(), Some("Plan."));
-    assert_eq!(parsed.content.as_deref(), Some("The answer is 42."));
+    assert_reasoning_and_content(
+        "Plan.</think></think>The answer is 42.",
+        &options(true),
+        Some("Plan."),
+        Some("The answer is 42."),
+    );
 }
 
 #[test]
 fn tool_call_is_an_implicit_end_of_reasoning() {
-    let parsed = parse(
+    let parsed = assert_reasoning_and_content(
         &format!("I need the forecast.{WEATHER_CALL}"),
         &options(true),
+        Some("I need the forecast."),
+        None,
     );
-    assert_eq!(
-        parsed.reasoning_content.as_deref(),
-        Some("I need the forecast.")
-    );
-    assert_eq!(parsed.content, None);
     assert_eq!(
         parsed.tool_calls,
         vec![tool_call(0, "get_weather", WEATHER_ARGUMENTS)]
@@ -63,47 +77,53 @@ fn tool_call_is_an_implicit_end_of_reasoning() {
 
 #[test]
 fn thinking_disabled_gives_everything_as_content() {
-    let parsed = parse("The answer is 42.", &options(false));
-    assert_eq!(parsed.reasoning_content, None);
-    assert_eq!(parsed.content.as_deref(), Some("The answer is 42."));
+    assert_reasoning_and_content(
+        "The answer is 42.",
+        &options(false),
+        None,
+        Some("The answer is 42."),
+    );
 }
 
 #[test]
 fn thinking_disabled_keeps_think_open_as_text_and_drops_think_end() {
-    let parsed = parse("<think>x</think>y", &options(false));
-    assert_eq!(parsed.reasoning_content, None);
-    assert_eq!(parsed.content.as_deref(), Some("<think>xy"));
+    assert_reasoning_and_content(
+        "<think>x</think>y",
+        &options(false),
+        None,
+        Some("<think>xy"),
+    );
 }
 
 #[test]
 fn other_tags_inside_reasoning_are_reasoning_text() {
-    let parsed = parse(
+    let parsed = assert_reasoning_and_content(
         "compare a > b, then <function=f> or </tool_call></think>ok",
         &untyped_options(true),
+        Some("compare a > b, then <function=f> or </tool_call>"),
+        Some("ok"),
     );
-    assert_eq!(
-        parsed.reasoning_content.as_deref(),
-        Some("compare a > b, then <function=f> or </tool_call>")
-    );
-    assert_eq!(parsed.content.as_deref(), Some("ok"));
     assert!(parsed.tool_calls.is_empty());
 }
 
 #[test]
 fn whitespace_around_the_reasoning_end_is_kept() {
-    let parsed = parse("Plan.\n\n</think>\n\nAnswer", &options(true));
-    assert_eq!(parsed.reasoning_content.as_deref(), Some("Plan.\n\n"));
-    assert_eq!(parsed.content.as_deref(), Some("\n\nAnswer"));
+    assert_reasoning_and_content(
+        "Plan.\n\n</think>\n\nAnswer",
+        &options(true),
+        Some("Plan.\n\n"),
+        Some("\n\nAnswer"),
+    );
 }
 
 #[test]
 fn unfinished_reasoning_is_all_reasoning() {
-    let parsed = parse("Still thinking about <tool_", &options(true));
-    assert_eq!(
-        parsed.reasoning_content.as_deref(),
-        Some("Still thinking about <tool_")
+    assert_reasoning_and_content(
+        "Still thinking about <tool_",
+        &options(true),
+        Some("Still thinking about <tool_"),
+        None,
     );
-    assert_eq!(parsed.content, None);
 }
 
 #[test]
