@@ -38,12 +38,13 @@ const OP: &str = "moe_experts";
 ///
 /// Returns `[N, H]` in the dtype of `x`.
 ///
-/// On CUDA, up to 512 routed rows `N * k` (a decode step of 64 sequences at
+/// On CUDA, up to 256 routed rows `N * k` (a decode step of 32 sequences at
 /// top-8) take three launches in which each expert's weights are read once
-/// per group of up to 8 of the tokens routed to it; more rows (prompts) read
-/// the ids back once, gather the rows by expert and run both projections as
-/// cuBLAS grouped GEMMs on the tensor cores (f32 accumulation, one rounding
-/// per output, as the reference's `Linear`), with the same SwiGLU and combine.
+/// per group of up to 8 of the tokens routed to it; more rows (prompts, larger
+/// decode batches) read the ids back once, gather the rows by expert and run
+/// both projections as cuBLAS grouped GEMMs on the tensor cores (f32
+/// accumulation, one rounding per output, as the reference's `Linear`), with
+/// the same SwiGLU and combine.
 /// The CPU and the grouped path fail on an id at or above `E`; the decode
 /// kernels cannot check the ids without waiting for the device and skip such
 /// an id.

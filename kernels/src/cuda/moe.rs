@@ -13,12 +13,14 @@ use crate::{invalid_argument, KernelError, Result};
 
 const OP: &str = "moe_experts";
 
-/// Up to this many routed rows (tokens x top-k: a decode step of 64
+/// Up to this many routed rows (tokens x top-k: a decode step of 32
 /// sequences at top-8) run in `moe.cu`'s kernels, which stream each chosen
 /// expert's weights once per group of 8 of its rows; more rows run as grouped
-/// GEMMs. It must not exceed `kMaxRouted` in moe.cu (a block keeps the list of
-/// the rows sent to its expert in shared memory).
-const MOE_KERNEL_MAX_ROUTED_ROWS: usize = 512;
+/// GEMMs, which a decode step of 64 sequences already runs faster (8-layer
+/// forward 5.7-6.4 against 7.5-7.7 ms/step; docs/performance.md). It must not
+/// exceed `kMaxRouted` in moe.cu (a block keeps the list of the rows sent to
+/// its expert in shared memory).
+const MOE_KERNEL_MAX_ROUTED_ROWS: usize = 256;
 
 extern "C" {
     fn berrylm_moe_experts(
