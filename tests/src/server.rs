@@ -1,6 +1,7 @@
 //! Runs the host CLI (`mistralrs serve`) as a child process on loopback and
 //! talks HTTP/1.1 to it with a minimal std-only client.
 
+use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::Path;
@@ -156,6 +157,26 @@ impl Server {
             reader.read_to_end(&mut body)?;
         }
         Ok((status, String::from_utf8_lossy(&body).into_owned()))
+    }
+
+    /// The samples of the server's `/metrics` (Prometheus text), each value by
+    /// its name and labels as the server writes them
+    /// (`mistralrs:request_finished_total{finished_reason="stop"}`).
+    pub fn metrics(&self) -> Result<BTreeMap<String, f64>> {
+        let (status, text) = self.request("GET", "/metrics", None)?;
+        anyhow::ensure!(status == 200, "GET /metrics: HTTP {status}: {text}");
+        text.lines()
+            .filter(|line| !line.is_empty() && !line.starts_with('#'))
+            .map(|line| {
+                let (name, value) = line
+                    .rsplit_once(' ')
+                    .with_context(|| format!("a /metrics line without a value: {line:?}"))?;
+                let value = value
+                    .parse()
+                    .with_context(|| format!("a /metrics value that is not a number: {line:?}"))?;
+                Ok((name.to_string(), value))
+            })
+            .collect()
     }
 
     /// The server's process id.
