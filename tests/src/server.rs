@@ -221,6 +221,16 @@ impl Server {
         without_ansi_escapes(&std::fs::read_to_string(&self.log).unwrap_or_default())
     }
 
+    /// The largest batch the model ran so far, from its debug log.
+    pub fn largest_batch(&self) -> usize {
+        self.log()
+            .lines()
+            .filter_map(|line| line.split("berrylm forward: ").nth(1))
+            .filter_map(|rest| rest.split_whitespace().next()?.parse().ok())
+            .max()
+            .unwrap_or(0)
+    }
+
     /// Opens a streaming POST, reads its first bytes and drops the connection
     /// (a client that disconnects mid-stream).
     pub fn abandon_stream(&self, path: &str, body: &serde_json::Value) -> Result<()> {
