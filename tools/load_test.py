@@ -30,8 +30,9 @@ supports, which the streaming modes work around:
 * Streamed `/v1/completions` chunks carry no `usage`: output tokens are the chunks that carry text
   (one per decode step; a multi-byte character split over tokens arrives as one chunk). Streamed
   chat's last chunk carries `usage`, which is used when present.
-* No `/metrics` route (404): `soak` records that and falls back to /proc/PID/status (VmRSS) of
-  `--server-pid`.
+* `/metrics` is not a route of the pristine host; the seam adds it (docs/host-seam.md, "Metrics
+  endpoint"). Against a host without it (404) `soak` records that and falls back to
+  /proc/PID/status (VmRSS) of `--server-pid`.
 """
 
 import argparse
@@ -1505,9 +1506,37 @@ def rss_of(sample):
         return sample["rss_bytes"]
     metrics = sample.get("metrics") or {}
     for series, value in metrics.items():
-        if series.startswith("process_resident_memory_bytes") and isinstance(value, float):
+        if series.split("{")[0].endswith("process_resident_memory_bytes") and isinstance(value, float):
             return int(value)
     return None
+
+
+# The server's occupancy gauges in its /metrics (the seam's names; a gauge the server leaves out,
+# KV blocks without paged attention say, is absent from the report).
+OCCUPANCY_GAUGES = (
+    ("running", "mistralrs:num_requests_running"),
+    ("waiting", "mistralrs:num_requests_waiting"),
+    ("recurrent_slots_in_use", "mistralrs:recurrent_state_slots_in_use"),
+    ("recurrent_slots_total", "mistralrs:recurrent_state_slots_total"),
+    ("kv_blocks_in_use", "mistralrs:kv_cache_blocks_in_use"),
+    ("kv_blocks_total", "mistralrs:kv_cache_blocks_total"),
+    ("gpu_memory_used_bytes", "mistralrs:gpu_memory_used_bytes"),
+)
+
+
+def occupancy_of(sample):
+    """{gauge: value} of the occupancy gauges a sample's /metrics holds."""
+    metrics = sample.get("metrics") or {}
+    return {key: metrics[name] for key, name in OCCUPANCY_GAUGES if isinstance(metrics.get(name), float)}
+
+
+def occupancy_figures(series, end):
+    """Each occupancy gauge's peak over the run and its value at the end sample."""
+    peak = {}
+    for sample in series:
+        for key, value in occupancy_of(sample).items():
+            peak[key] = max(peak.get(key, value), value)
+    return {"peak": peak, "end": occupancy_of(end), "idle_at_end": end.get("idle")}
 
 
 def log_uniform(rng, lo, hi):
@@ -1601,6 +1630,22 @@ async def scrape(client, args, state, start):
     return sample
 
 
+async def settle(client, args, state, start):
+    """The end sample: /metrics scraped until no sequence runs or waits (the server cancels a hung-up
+    request at its next token), at most --idle-timeout-s; `idle` says whether it got there (None
+    without the running and waiting gauges)."""
+    deadline = time.monotonic() + args.idle_timeout_s
+    while True:
+        sample = await scrape(client, args, state, start)
+        occupancy = occupancy_of(sample)
+        known = "running" in occupancy and "waiting" in occupancy
+        idle = known and occupancy["running"] == 0 and occupancy["waiting"] == 0
+        if idle or not known or time.monotonic() >= deadline:
+            sample["idle"] = idle if known else None
+            return sample
+        await asyncio.sleep(min(0.5, args.metrics_interval))
+
+
 async def run_soak(args, client):
     notes = []
     lag = []
@@ -1650,8 +1695,9 @@ async def run_soak(args, client):
         await asyncio.gather(*(soak_client(index) for index in range(args.clients)))
         stop.set()
         await scraping
-        series.append(await scrape(client, args, state, start))
         wall = time.monotonic() - start
+        end = await settle(client, args, state, start)
+        series.append(end)
     finally:
         monitor.cancel()
     ok = [r for r in records if r.ok]
@@ -1714,6 +1760,7 @@ async def run_soak(args, client):
         "rss_source": rss_source,
         "rss_first_minute_bytes": rss_first_minute,
         "rss_end_bytes": rss_end,
+        "occupancy": occupancy_figures(series, end),
         "per_minute": per_minute,
         "timeseries": series,
     }
@@ -1730,6 +1777,14 @@ async def run_soak(args, client):
         ("ITL p50 / p99 (ms)", f"{fmt(result['itl_p50_ms'], 2)} / {fmt(result['itl_p99_ms'], 2)}"),
         ("RSS at first minute / end", f"{mib(rss_first_minute)} / {mib(rss_end)}"),
     ]
+    occupancy = result["occupancy"]
+    for key, _ in OCCUPANCY_GAUGES:
+        if key in occupancy["peak"]:
+            show = mib if key.endswith("_bytes") else (lambda value: "-" if value is None else f"{value:g}")
+            rows.append((f"{key.replace('_', ' ')}: peak / end", f"{show(occupancy['peak'][key])} / "
+                         f"{show(occupancy['end'].get(key))}"))
+    if occupancy["idle_at_end"] is False:
+        rows.append(("end", f"still busy {args.idle_timeout_s:g} s after the clients"))
     print_table(["figure", "value"], [list(row) for row in rows])
     print("by request kind: " + ", ".join(
         f"{name} {e['requests']} ({e['completed']} ok, {e['hung_up']} hung up, {e['errors']} errors)"
@@ -1836,9 +1891,12 @@ Errors: HTTP status >= 400, SSE error events, malformed data, streams cut before
 the tool's hang-ups), timeouts. Every --metrics-interval s it scrapes GET /metrics (sample lines of
 the --metrics-prefix metrics and process memory) and, with --server-pid, VmRSS from /proc; when
 /metrics is 404 that is recorded and only VmRSS is kept. Clients stop starting requests after
---minutes; requests in flight then finish (at most --timeout-s). Prints a summary (RSS at first
-minute: the sample nearest 60 s); --json FILE has the figures, per-minute counts and the
-time series. Exit status 1 when there were errors besides hang-ups."""
+--minutes; requests in flight then finish (at most --timeout-s). Then it scrapes /metrics until the
+server runs and queues no sequence (at most --idle-timeout-s): that is the end sample. Prints a
+summary: RSS at the first minute (the sample nearest 60 s) and at the end; the peak and end values of
+the server's occupancy gauges (running and waiting sequences, recurrent-state slots and KV blocks in
+use and in all, GPU memory used; those the server reports). --json FILE has the figures, per-minute
+counts and the time series. Exit status 1 when there were errors besides hang-ups."""
 
 
 def common_options(parser, default_url):
@@ -1913,13 +1971,15 @@ def parse_mode_args(mode, argv):
         parser.add_argument("--metrics-interval", type=positive(float), default=10.0,
                             help="seconds between /metrics and RSS samples (default 10)")
         parser.add_argument("--metrics-prefix", action="append", default=None, metavar="PREFIX",
-                            help="keep /metrics samples whose name starts with PREFIX (repeatable; default mistralrs_)")
+                            help="keep /metrics samples whose name starts with PREFIX (repeatable; default mistralrs:)")
+        parser.add_argument("--idle-timeout-s", type=positive(float), default=60.0,
+                            help="after the clients, wait at most this long for the server to be idle (default 60)")
         parser.add_argument("--server-pid", type=positive(int), default=None,
                             help="pid of the server, for VmRSS from /proc/PID/status")
     args = parser.parse_args(argv)
     args.mode = mode
     if mode == "soak":
-        args.metrics_prefix = args.metrics_prefix or ["mistralrs_"]
+        args.metrics_prefix = args.metrics_prefix or ["mistralrs:"]
         if args.tools_fraction + args.reasoning_fraction + args.continue_fraction > 1.0 + 1e-9:
             parser.error("--tools-fraction + --reasoning-fraction + --continue-fraction must be at most 1")
         if args.min_prompt_tokens > args.max_prompt_tokens:

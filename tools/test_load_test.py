@@ -10,7 +10,8 @@ The fake server (http.server, HTTP/1.1, chunked SSE) answers /v1/completions and
 /v1/chat/completions: the first chunk after a delay that grows with the prompt's length, then one
 chunk per token at a fixed interval; a prompt at or over `long_threshold` tokens stalls every
 stream for `long_stall_s` (a long prefill). Like mistral.rs 0.8.1 it rejects token-id prompts
-(422) unless told otherwise, and answers /metrics with 404 unless given a Prometheus text.
+(422) unless told otherwise, and answers /metrics with 404 unless given a Prometheus text (or a
+function of the server that returns one).
 """
 
 import contextlib
@@ -49,6 +50,7 @@ class FakeServer:
         self.prompt_types = set()
         self.chat_roles = []
         self.metrics_hits = 0
+        self.active = 0  # streams being answered
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -60,7 +62,8 @@ class FakeServer:
             def do_GET(self):
                 if self.path == "/metrics" and server.metrics is not None:
                     server.metrics_hits += 1
-                    self.reply(200, server.metrics.encode(), "text/plain; version=0.0.4")
+                    text = server.metrics(server) if callable(server.metrics) else server.metrics
+                    self.reply(200, text.encode(), "text/plain; version=0.0.4")
                 else:
                     server.metrics_hits += self.path == "/metrics"
                     self.reply(404, b"", "text/plain")
@@ -105,7 +108,13 @@ class FakeServer:
                 if server.fail_every and number % server.fail_every == 0:
                     self.reply(server.fail_status, b'{"message": "injected failure"}')
                     return
-                self.stream(chat, request, prompt_tokens, max_tokens)
+                with server.lock:
+                    server.active += 1
+                try:
+                    self.stream(chat, request, prompt_tokens, max_tokens)
+                finally:
+                    with server.lock:
+                        server.active -= 1
 
             def chunk(self, data):
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
@@ -397,17 +406,39 @@ def test_soak_http_500_is_an_error_and_a_nonzero_exit():
 
 
 def test_soak_scrapes_prometheus_metrics():
-    metrics = ("# TYPE mistralrs_running gauge\nmistralrs_running 3\nunrelated_total 9\n"
-               "process_resident_memory_bytes 123456789\n")
+    metrics = ("# TYPE mistralrs:generation_tokens_total counter\nmistralrs:generation_tokens_total 3\n"
+               "unrelated_total 9\nprocess_resident_memory_bytes 123456789\n")
     with FakeServer(metrics=metrics) as server:
         status, out, figures = run_tool(soak_args(server, "--hangup-fraction", "0"))
     assert status == 0, out
     assert figures["metrics_endpoint"] == "200"
     samples = figures["timeseries"]
     assert len(samples) >= 3 and server.metrics_hits == len(samples)
-    assert all(s["metrics"] == {"mistralrs_running": 3.0, "process_resident_memory_bytes": 123456789.0} for s in samples)
+    assert all(s["metrics"] == {"mistralrs:generation_tokens_total": 3.0,
+                                "process_resident_memory_bytes": 123456789.0} for s in samples)
     assert figures["rss_end_bytes"] == 123456789
     assert figures["hung_up"] == 0
+    # Without the occupancy gauges there is nothing to wait for or report.
+    assert figures["occupancy"] == {"peak": {}, "end": {}, "idle_at_end": None}
+
+
+def test_soak_reports_occupancy_and_ends_on_an_idle_server():
+    def metrics(server):
+        return ("# TYPE mistralrs:num_requests_running gauge\n"
+                f"mistralrs:num_requests_running {server.active}\nmistralrs:num_requests_waiting 0\n"
+                f"mistralrs:recurrent_state_slots_in_use {server.active}\n"
+                "mistralrs:recurrent_state_slots_total 8\nmistralrs:process_resident_memory_bytes 5e6\n")
+    with FakeServer(metrics=metrics, itl_s=0.01) as server:
+        status, out, figures = run_tool(soak_args(server, "--hangup-fraction", "0.3"))
+    assert status == 0, out
+    occupancy = figures["occupancy"]
+    assert occupancy["idle_at_end"] is True, occupancy
+    assert occupancy["end"] == {"running": 0.0, "waiting": 0.0, "recurrent_slots_in_use": 0.0,
+                                "recurrent_slots_total": 8.0}, occupancy
+    assert occupancy["peak"]["running"] >= 1 and occupancy["peak"]["recurrent_slots_in_use"] >= 1, occupancy
+    assert figures["timeseries"][-1]["idle"] is True
+    assert figures["rss_first_minute_bytes"] == figures["rss_end_bytes"] == 5000000
+    assert "recurrent slots in use: peak / end" in out and "kv blocks" not in out
 
 
 # ----------------------------------------------------------------------------- basic (the default mode)

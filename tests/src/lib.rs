@@ -78,6 +78,18 @@ impl Fixture {
             .count()
     }
 
+    /// The checkpoint's context length (`max_position_embeddings` of its
+    /// `config.json`).
+    pub fn context_length(&self) -> Result<usize> {
+        let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(
+            self.model_dir.join("config.json"),
+        )?)?;
+        let length = config["max_position_embeddings"]
+            .as_u64()
+            .with_context(|| format!("{}: no max_position_embeddings", self.name))?;
+        Ok(usize::try_from(length)?)
+    }
+
     pub fn model(&self, dtype: DType) -> Result<BerryLm> {
         load_checkpoint(&self.model_dir, dtype, &Device::Cpu)
     }

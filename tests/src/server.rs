@@ -1,6 +1,7 @@
 //! Runs the host CLI (`mistralrs serve`) as a child process on loopback and
 //! talks HTTP/1.1 to it with a minimal std-only client.
 
+use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::Path;
@@ -158,6 +159,26 @@ impl Server {
         Ok((status, String::from_utf8_lossy(&body).into_owned()))
     }
 
+    /// The samples of the server's `/metrics` (Prometheus text), each value by
+    /// its name and labels as the server writes them
+    /// (`mistralrs:request_finished_total{finished_reason="stop"}`).
+    pub fn metrics(&self) -> Result<BTreeMap<String, f64>> {
+        let (status, text) = self.request("GET", "/metrics", None)?;
+        anyhow::ensure!(status == 200, "GET /metrics: HTTP {status}: {text}");
+        text.lines()
+            .filter(|line| !line.is_empty() && !line.starts_with('#'))
+            .map(|line| {
+                let (name, value) = line
+                    .rsplit_once(' ')
+                    .with_context(|| format!("a /metrics line without a value: {line:?}"))?;
+                let value = value
+                    .parse()
+                    .with_context(|| format!("a /metrics value that is not a number: {line:?}"))?;
+                Ok((name.to_string(), value))
+            })
+            .collect()
+    }
+
     /// The server's process id.
     pub fn pid(&self) -> u32 {
         self.child.id()
@@ -198,6 +219,16 @@ impl Server {
     /// Terminal colour codes the host's logger writes are removed.
     pub fn log(&self) -> String {
         without_ansi_escapes(&std::fs::read_to_string(&self.log).unwrap_or_default())
+    }
+
+    /// The largest batch the model ran so far, from its debug log.
+    pub fn largest_batch(&self) -> usize {
+        self.log()
+            .lines()
+            .filter_map(|line| line.split("berrylm forward: ").nth(1))
+            .filter_map(|rest| rest.split_whitespace().next()?.parse().ok())
+            .max()
+            .unwrap_or(0)
     }
 
     /// Opens a streaming POST, reads its first bytes and drops the connection

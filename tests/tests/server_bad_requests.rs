@@ -95,12 +95,7 @@ fn digits(words: usize) -> String {
 #[test]
 fn bad_requests_get_a_4xx_naming_the_problem_and_the_server_keeps_serving() -> Result<()> {
     let fixture = Fixture::load("trained-tiny")?;
-    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(
-        fixture.model_dir.join("config.json"),
-    )?)?;
-    let context = config["max_position_embeddings"]
-        .as_u64()
-        .expect("max_position_embeddings") as usize;
+    let context = fixture.context_length()?;
     let mut server = start(&fixture)?;
     let before = normal_answer(&server, &fixture)?;
 

@@ -29,15 +29,6 @@ fn start() -> Result<Server> {
     )
 }
 
-/// Largest batch the model ran, from its debug log.
-fn largest_batch(log: &str) -> usize {
-    log.lines()
-        .filter_map(|line| line.split("berrylm forward: ").nth(1))
-        .filter_map(|rest| rest.split_whitespace().next()?.parse().ok())
-        .max()
-        .unwrap_or(0)
-}
-
 #[test]
 fn concurrent_requests_give_the_tokens_each_gives_alone() -> Result<()> {
     let server = start()?;
@@ -72,7 +63,7 @@ fn concurrent_requests_give_the_tokens_each_gives_alone() -> Result<()> {
             "prompt {i}: concurrent output differs from the output alone"
         );
     }
-    let batch = largest_batch(&server.log());
+    let batch = server.largest_batch();
     assert!(
         batch > 1,
         "the scheduler never batched sequences (largest batch {batch})"

@@ -1,0 +1,112 @@
+//! A two-minute soak of the real server (CPU, the bundled model) with the
+//! project's load tool (`tools/load_test.py soak`): 32 streaming clients,
+//! prompts of mixed lengths up to the model's context, tool, reasoning and
+//! continued chats, and a tenth of the requests hung up mid-stream. No
+//! request fails besides the hang-ups; once the clients are done the server
+//! runs nothing and every recurrent-state slot (and KV block, where it pages)
+//! is free again (from `/metrics`); and resident memory at the end is at most
+//! 10% above its value after the first minute. (The end is idle and the first
+//! minute busy, so the end may hold less: transient prefill activations come
+//! and go. What the bound catches is growth.)
+
+use std::path::Path;
+use std::process::Command;
+
+use anyhow::{ensure, Context, Result};
+use berrylm_tests::fixtures_dir;
+use berrylm_tests::server::Server;
+
+const CLIENTS: &str = "32";
+const MINUTES: &str = "2";
+const HANGUP_FRACTION: &str = "0.1";
+/// The tool's prompt lengths are words of its English list, about 1.42
+/// tokens each on the bundled tokenizer: the longest prompts (about 3700
+/// tokens, and a little more with the chat template, tool definitions or an
+/// earlier turn) come close to the 4096-token context and stay within it.
+const MAX_PROMPT_WORDS: &str = "2600";
+/// Output tokens of each request: enough for the bundled model's usual
+/// answers (it ends most by itself), few enough that 32 clients on two CPU
+/// cores finish several rounds of requests in two minutes.
+const OUTPUT_TOKENS: &str = "16";
+
+#[test]
+fn a_two_minute_soak_fails_no_request_frees_every_slot_and_keeps_memory_flat() -> Result<()> {
+    let mut server = Server::start(
+        &fixtures_dir().join("trained-tiny/model"),
+        &["--dtype", "f32"],
+    )?;
+    let tool = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tools/load_test.py");
+    let json = std::env::temp_dir().join(format!("berrylm-soak-{}.json", server.port));
+    let output = Command::new("python3")
+        .arg(&tool)
+        .args([
+            "soak",
+            "--url",
+            &format!("http://127.0.0.1:{}", server.port),
+        ])
+        .args(["--clients", CLIENTS, "--minutes", MINUTES])
+        .args(["--hangup-fraction", HANGUP_FRACTION])
+        .args(["--max-prompt-tokens", MAX_PROMPT_WORDS])
+        .args(["--output-tokens", OUTPUT_TOKENS])
+        .args(["--metrics-interval", "5", "--timeout-s", "240"])
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .context("running python3 tools/load_test.py soak")?;
+    let report = String::from_utf8_lossy(&output.stdout);
+    eprintln!("{report}{}", String::from_utf8_lossy(&output.stderr));
+    let figures: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(&json).with_context(|| format!("the tool wrote no {json:?}"))?,
+    )?;
+
+    ensure!(
+        figures["errors"] == 0,
+        "{} requests failed besides the hang-ups: {:#}",
+        figures["errors"],
+        figures["errors_by_kind"]
+    );
+    ensure!(
+        output.status.success(),
+        "the tool exited with {}",
+        output.status
+    );
+    let completed = figures["completed"].as_u64().unwrap_or_default();
+    let hung_up = figures["hung_up"].as_u64().unwrap_or_default();
+    ensure!(
+        completed >= 100 && hung_up > 0,
+        "{completed} requests completed and {hung_up} hung up in the soak"
+    );
+
+    let occupancy = &figures["occupancy"];
+    ensure!(
+        occupancy["idle_at_end"] == true,
+        "the server still ran or queued sequences after the clients: {occupancy:#}"
+    );
+    let end = &occupancy["end"];
+    ensure!(
+        end["recurrent_slots_in_use"] == 0.0,
+        "recurrent slots still in use after the clients: {occupancy:#}"
+    );
+    ensure!(
+        end.get("kv_blocks_in_use")
+            .is_none_or(|blocks| *blocks == 0.0),
+        "KV blocks still in use after the clients: {occupancy:#}"
+    );
+
+    let first_minute = figures["rss_first_minute_bytes"]
+        .as_f64()
+        .context("no RSS after the first minute")?;
+    let at_end = figures["rss_end_bytes"]
+        .as_f64()
+        .context("no RSS at the end")?;
+    ensure!(
+        at_end <= first_minute * 1.1,
+        "resident memory grew from {first_minute} bytes after the first minute to {at_end} at the \
+         end (more than 10%)"
+    );
+
+    ensure!(server.is_running()?, "the server exited:\n{}", server.log());
+    let log = server.log();
+    ensure!(!log.contains("panicked at"), "the server panicked:\n{log}");
+    Ok(())
+}
