@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use berrylm_tests::chat::{arguments, assemble, tool_call_message};
-use berrylm_tests::fixtures_dir;
 use berrylm_tests::server::Server;
+use berrylm_tests::{fixtures_dir, host_binary};
 use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};
 
@@ -253,4 +253,37 @@ fn an_unknown_parser_name_fails_at_start_listing_the_registered_ones() {
         ),
         "expected the error to refuse two different parsers:\n{message}"
     );
+}
+
+/// `mistralrs from-config` reads the same options from a serve config's
+/// `[server]` table and refuses an unknown name the same way.
+#[test]
+fn a_serve_config_with_an_unknown_parser_fails_listing_the_registered_ones() -> Result<()> {
+    let dir = scratch_dir("parser-config");
+    std::fs::create_dir_all(&dir)?;
+    let config = dir.join("serve.toml");
+    let model = fixtures_dir().join("trained-tiny/model");
+    std::fs::write(
+        &config,
+        format!(
+            "command = \"serve\"\n\n[server]\ntool_call_parser = \"nope\"\n\n\
+             [[models]]\nkind = \"auto\"\nmodel_id = {:?}\n",
+            model.display().to_string()
+        ),
+    )?;
+    let output = std::process::Command::new(host_binary()?)
+        .arg("from-config")
+        .arg("--file")
+        .arg(&config)
+        .output()?;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("--tool-call-parser nope")
+            && stderr.contains("the registered ones: berrylm")
+            && !stderr.contains("panicked at"),
+        "{stderr}"
+    );
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
 }
