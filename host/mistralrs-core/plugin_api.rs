@@ -142,6 +142,66 @@ pub fn chat_output_parser_named(
         .map(|(_, factory)| factory(request))
 }
 
+/// The names of the registered chat output parsers, in registration order.
+pub fn registered_chat_output_parsers() -> Vec<String> {
+    CHAT_OUTPUT_PARSERS
+        .read()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+        .iter()
+        .map(|(name, _)| name.clone())
+        .collect()
+}
+
+/// The chat output parser chosen for every model the process serves.
+static SELECTED_CHAT_OUTPUT_PARSER: RwLock<Option<String>> = RwLock::new(None);
+
+/// A chat output parser name that no registered parser answers to.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "no chat output parser is registered as `{name}`; the registered ones: {}",
+    name_list(.registered)
+)]
+pub struct UnknownChatOutputParser {
+    pub name: String,
+    pub registered: Vec<String>,
+}
+
+fn name_list(names: &[String]) -> String {
+    if names.is_empty() {
+        "none".to_string()
+    } else {
+        names.join(", ")
+    }
+}
+
+/// Use the parser registered as `name` for the chat requests of every model,
+/// in place of the model's own parser and of the host's format detection.
+pub fn select_chat_output_parser(name: &str) -> Result<(), UnknownChatOutputParser> {
+    let registered = registered_chat_output_parsers();
+    if !registered.iter().any(|registered| registered == name) {
+        return Err(UnknownChatOutputParser {
+            name: name.to_string(),
+            registered,
+        });
+    }
+    *SELECTED_CHAT_OUTPUT_PARSER
+        .write()
+        .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(name.to_string());
+    Ok(())
+}
+
+/// A parser for `request` from the parser chosen with
+/// [`select_chat_output_parser`], if one was chosen.
+pub fn selected_chat_output_parser(
+    request: &ChatOutputRequest<'_>,
+) -> Option<Box<dyn ChatOutputParser>> {
+    let selected = SELECTED_CHAT_OUTPUT_PARSER
+        .read()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+        .clone()?;
+    chat_output_parser_named(&selected, request)
+}
+
 /// What a model's chat output parser learns about the request it serves.
 pub struct ChatOutputRequest<'a> {
     /// The rendered prompt (e.g. whether it opened a reasoning block).

@@ -1,12 +1,13 @@
 //! Every name in registry.toml resolves through the host's loader lookup (and
 //! its chat output parser registry) after `register()`, and a name the
-//! registry does not hold does not.
+//! registry does not hold does not (nor can it be selected as the parser).
 
 use anyhow::Result;
 use berrylm::Registry;
 use mistralrs::{ModelDType, TextModelBuilder};
 use mistralrs_core::plugin_api::{
-    chat_output_parser_named, lookup_normal_loader, ChatOutputRequest,
+    chat_output_parser_named, lookup_normal_loader, registered_chat_output_parsers,
+    select_chat_output_parser, ChatOutputRequest,
 };
 
 /// Loads, through the host, a folder holding `config.json` and the tokenizer
@@ -83,5 +84,19 @@ async fn registered_names_resolve_and_unknown_names_do_not() -> Result<()> {
         assert_eq!(parsed.content.as_deref().map(str::trim), Some("Hi."));
     }
     assert!(chat_output_parser_named("not_a_parser", &request).is_none());
+
+    // What `--reasoning-parser` / `--tool-call-parser` read: the registered
+    // names, and an error listing them for a name not among them.
+    let registered = registered_chat_output_parsers();
+    assert!(
+        registered.contains(&registry.parsers.tool_call),
+        "{registered:?}"
+    );
+    let error = select_chat_output_parser("not_a_parser").unwrap_err();
+    assert_eq!(error.registered, registered);
+    assert!(
+        error.to_string().contains(&registry.parsers.tool_call),
+        "{error}"
+    );
     Ok(())
 }
