@@ -21,7 +21,13 @@
 # through `mistralrs serve`: tools/load_test.py's sweep at concurrency
 # $SCALE_CONCURRENCY, default 1,64,256, then batch-1 decode end to end),
 # scale-interference (16 streams on that checkpoint while a
-# $SCALE_LONG_PROMPT-token prompt, default 32768, prefills), fla
+# $SCALE_LONG_PROMPT-token prompt, default 32768, prefills), scale-soak (the
+# load tool's soak on that checkpoint: $SOAK_CLIENTS clients, default 256, for
+# $SOAK_MINUTES, default 8, 10 % hang-ups, $SOAK_INVALID of invalid requests,
+# default 0), model-errors (model errors through the server with paged
+# attention: a NaN checkpoint and a tokenizer beyond the embedding table, then
+# a failed forward step and a sticky device error injected under the driver by
+# tools/cuda_fault_shim.c, which it compiles with cc), fla
 # (fla's chunk_kda and fused_recurrent_kda at BerryLM-OS shapes, issue #6's
 # comparison: tools/fla_bench.py, $OUT/fla.json; needs python3 with torch and
 # triton, and the wheels of fla-core and of the pure-Python packages it imports,
@@ -141,6 +147,29 @@ scale_interference() {
     return "$code"
 }
 
+# The scale-soak step: the load tool's soak on the 40-layer checkpoint (paged
+# attention, 256 sequences at most): streamed completions of log-uniform
+# prompts of 16 to 16384 tokens, 10 % of the clients hanging up mid-stream,
+# with the server's /metrics and VmRSS sampled every 5 s.
+scale_soak() {
+    local code
+    scale_checkpoint || return 1
+    start_server "$SCALE_CHECKPOINT" "$SCALE_PORT" --dtype bf16 --max-seqs 256 --pa-memory-mb 16384
+    code=$?
+    if [ "$code" -eq 0 ]; then
+        timeout $((${SOAK_MINUTES:-8} * 60 + 240)) python3 tools/load_test.py soak \
+            --url "http://127.0.0.1:$SCALE_PORT" --plain-endpoint completions \
+            --clients "${SOAK_CLIENTS:-256}" --minutes "${SOAK_MINUTES:-8}" \
+            --max-prompt-tokens 16384 --output-tokens 128 --hangup-fraction 0.1 \
+            --tools-fraction 0 --reasoning-fraction 0 --continue-fraction 0 \
+            --invalid-fraction "${SOAK_INVALID:-0}" --metrics-interval 5 --server-pid "$server" \
+            ${OUT:+--json "$OUT/soak-40l${SOAK_INVALID:+-invalid}.json"}
+        code=$?
+    fi
+    stop_server
+    return "$code"
+}
+
 # The e2e step: writes the checkpoint (once per machine), measures the model
 # forward at batch 1 with the bench, serves the checkpoint (paged attention, the
 # CUDA default, with an 8 GiB KV pool) and measures decode through HTTP.
@@ -223,6 +252,11 @@ step() {
         ${OUT:+--json "$OUT/bench-40l.json"} ;;
     scale-serve) scale_serve ;;
     scale-interference) scale_interference ;;
+    scale-soak) scale_soak ;;
+    model-errors) cc -O2 -shared -fPIC -o "$BIN/libcuda_fault_shim.so" tools/cuda_fault_shim.c -ldl &&
+        BERRYLM_CUDA_FAULT_SHIM="$BIN/libcuda_fault_shim.so" \
+        BERRYLM_SERVER_ARGS="--paged-attn on --pa-memory-mb 1024" \
+        "$BIN/test-server_model_errors" --include-ignored --test-threads 1 ;;
     fla) fla_bench ;;
     *) echo "unknown step $1" >&2; return 2 ;;
     esac

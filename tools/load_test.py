@@ -557,6 +557,7 @@ class Record:
         self.error_text = None
         self.hung_up = False
         self.cancelled = False  # stopped by the tool at the end of a run
+        self.refused = False  # an invalid request answered with a 4xx, as it should be
         self.usage = None
         self.finish_reason = None
         self.text = []
@@ -617,7 +618,7 @@ class Record:
         try:
             chunk = json.loads(data)
         except ValueError:
-            # mistral.rs sends an error in a stream as the bare message text.
+            # mistral.rs without the seam sends an error in a stream as the bare message text.
             self.fail("sse_error", data)
             return
         try:
@@ -1567,9 +1568,35 @@ def chat_body(args, messages, tools=None, enable_thinking=None):
     return body
 
 
+# Request-level errors the soak mixes in with --invalid-fraction: (what is wrong, the change to a
+# valid completion body that makes it so). The server must answer each with a 4xx.
+INVALID_CHANGES = (
+    ("a negative temperature", {"temperature": -1.0}),
+    ("top_logprobs beyond 20", {"logprobs": True, "top_logprobs": 100}),
+    ("n beyond its bound", {"n": 100000}),
+    ("an unknown model", {"model": "no-such-model"}),
+    ("a negative max_tokens", {"max_tokens": -5}),
+)
+
+
+def invalid_request(args, kind, rng):
+    """("invalid", path, body, None): a short completion made invalid in one of INVALID_CHANGES's ways."""
+    _, change = rng.choice(INVALID_CHANGES)
+    body = completion_body(args, make_prompt(kind, 16, rng, args.vocab_range), args.output_tokens)
+    body.update(change)
+    return "invalid", "/v1/completions", body, None
+
+
+def invalid_because(body):
+    """What INVALID_CHANGES made this body invalid."""
+    return next(what for what, change in INVALID_CHANGES if all(body.get(k) == v for k, v in change.items()))
+
+
 def soak_request(args, kind, rng, history):
     """(request kind, path, body, messages or None) of one soak request; history: the client's last
     finished conversation (messages including the assistant's answer), or None."""
+    if rng.random() < args.invalid_fraction:
+        return invalid_request(args, kind, rng)
     draw = rng.random()
     length = log_uniform(rng, args.min_prompt_tokens, args.max_prompt_tokens)
     words = text_kind(kind)
@@ -1646,6 +1673,16 @@ async def settle(client, args, state, start):
         await asyncio.sleep(min(0.5, args.metrics_interval))
 
 
+def judge_invalid(record, what):
+    """An invalid request must be refused with a 4xx: then it is `refused`, not an error."""
+    if record.error_kind is not None and record.error_kind.startswith("http_4"):
+        record.error_kind = record.error_text = None
+        record.refused = True
+    elif not record.hung_up:
+        record.error_kind = "invalid_not_refused"
+        record.error_text = clip(f"{what}: HTTP {record.status}, {record.error_text or 'answered'}")
+
+
 async def run_soak(args, client):
     notes = []
     lag = []
@@ -1685,6 +1722,8 @@ async def run_soak(args, client):
                 record.hangup_planned = hangup is not None
                 records.append(record)
                 await stream_request(client, path, body, record, hangup_after=hangup)
+                if request_kind == "invalid":
+                    judge_invalid(record, invalid_because(body))
                 if record.ok and messages is not None:
                     history = messages + [record.assistant_message()]
                 elif record.failed:
@@ -1702,6 +1741,7 @@ async def run_soak(args, client):
         monitor.cancel()
     ok = [r for r in records if r.ok]
     hung = [r for r in records if r.hung_up and not r.failed]
+    refused = [r for r in records if r.refused]
     failed = [r for r in records if r.failed]
     ttfts = [r.ttft() for r in records if r.ttft() is not None and not r.failed]
     gaps = [gap for r in records if not r.failed for gap in r.gaps()]
@@ -1726,8 +1766,10 @@ async def run_soak(args, client):
         })
     by_kind = {}
     for record in records:
-        entry = by_kind.setdefault(record.kind, {"requests": 0, "completed": 0, "hung_up": 0, "errors": 0})
+        entry = by_kind.setdefault(record.kind, {"requests": 0, "completed": 0, "hung_up": 0, "refused": 0,
+                                                 "errors": 0})
         entry["requests"] += 1
+        entry["refused"] += int(record.refused)
         entry["completed"] += int(record.ok)
         entry["hung_up"] += int(record.hung_up and not record.failed)
         entry["errors"] += int(record.failed)
@@ -1744,10 +1786,12 @@ async def run_soak(args, client):
         "server_support": findings,
         "notes": notes,
         "fractions": {"tools": args.tools_fraction, "reasoning": args.reasoning_fraction,
-                      "continue": args.continue_fraction, "hangup": args.hangup_fraction},
+                      "continue": args.continue_fraction, "hangup": args.hangup_fraction,
+                      "invalid": args.invalid_fraction},
         "requests": len(records),
         "completed": len(ok),
         "hung_up": len(hung),
+        "refused": len(refused),
         "errors": len(failed),
         "errors_by_kind": error_summary(records, samples=5),
         "by_request_kind": by_kind,
@@ -1772,6 +1816,7 @@ async def run_soak(args, client):
         ("requests", len(records)),
         ("completed", len(ok)),
         ("hung up (by the tool)", len(hung)),
+        ("invalid, refused with a 4xx", len(refused)),
         ("errors", len(failed)),
         ("TTFT p50 / p99 (ms)", f"{fmt(result['ttft_p50_ms'])} / {fmt(result['ttft_p99_ms'])}"),
         ("ITL p50 / p99 (ms)", f"{fmt(result['itl_p50_ms'], 2)} / {fmt(result['itl_p99_ms'], 2)}"),
@@ -1787,7 +1832,8 @@ async def run_soak(args, client):
         rows.append(("end", f"still busy {args.idle_timeout_s:g} s after the clients"))
     print_table(["figure", "value"], [list(row) for row in rows])
     print("by request kind: " + ", ".join(
-        f"{name} {e['requests']} ({e['completed']} ok, {e['hung_up']} hung up, {e['errors']} errors)"
+        f"{name} {e['requests']} ({e['completed']} ok, {e['hung_up']} hung up, {e['refused']} refused, "
+        f"{e['errors']} errors)"
         for name, e in sorted(by_kind.items())))
     if state["metrics_endpoint"] == "404":
         print("/metrics: 404 (not served); " + (f"RSS from {rss_source}" if rss_source else "no RSS source (give --server-pid)"))
@@ -1964,6 +2010,10 @@ def parse_mode_args(mode, argv):
                             help="requests that continue the client's last conversation (default 0.2)")
         parser.add_argument("--hangup-fraction", type=fraction, default=0.1,
                             help="requests whose connection the tool closes mid-stream (default 0.1)")
+        parser.add_argument("--invalid-fraction", type=fraction, default=0.0,
+                            help="invalid completions (a negative temperature, top_logprobs 100, n 100000, an "
+                                 "unknown model, a negative max_tokens), which must be refused with a 4xx; "
+                                 "any other answer is an error (default 0)")
         parser.add_argument("--hangup-after-chunks", type=positive(int), default=5,
                             help="a hang-up happens after 1..N output chunks (default 5)")
         parser.add_argument("--plain-endpoint", choices=("chat", "completions"), default="chat",

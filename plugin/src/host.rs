@@ -172,6 +172,10 @@ impl NormalModel for BerryLmHostModel {
         self.model.config().max_position_embeddings
     }
 
+    fn vocab_size(&self) -> Option<usize> {
+        Some(self.model.config().vocab_size)
+    }
+
     fn config(&self) -> &ModelConfigMetadata {
         &self.metadata
     }

@@ -53,6 +53,15 @@ fn free_port() -> Result<u16> {
 impl Server {
     /// Starts the server on `model_dir` and waits (up to 3 minutes) until it answers.
     pub fn start(model_dir: &Path, extra_args: &[&str]) -> Result<Server> {
+        Server::start_with_environment(model_dir, extra_args, &[])
+    }
+
+    /// [`Server::start`] with further environment variables for the server process.
+    pub fn start_with_environment(
+        model_dir: &Path,
+        extra_args: &[&str],
+        environment: &[(&str, &str)],
+    ) -> Result<Server> {
         let port = free_port()?;
         let log = std::env::temp_dir().join(format!("berrylm-server-{port}.log"));
         let log_file = std::fs::File::create(&log)?;
@@ -72,6 +81,7 @@ impl Server {
             .stderr(log_file)
             .stdin(Stdio::null())
             .env("RUST_LOG", "info,berrylm=debug")
+            .envs(environment.iter().copied())
             .spawn()
             .context("starting mistralrs serve")?;
         let mut server = Server { child, port, log };
@@ -197,6 +207,20 @@ impl Server {
     /// Whether the server process is still running.
     pub fn is_running(&mut self) -> Result<bool> {
         Ok(self.child.try_wait()?.is_none())
+    }
+
+    /// The server's exit status, once it has exited within `timeout`.
+    pub fn wait_for_exit(&mut self, timeout: Duration) -> Result<Option<std::process::ExitStatus>> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                return Ok(Some(status));
+            }
+            if Instant::now() > deadline {
+                return Ok(None);
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     /// The text of a greedy `/v1/completions` of `prompt` (at most `max_tokens`).
