@@ -103,28 +103,11 @@ pub(crate) fn moe_experts(
     let expert_out = launch.output(&[routed, dims.hidden], dtype)?;
     let y = launch.output(&[dims.tokens, dims.hidden], dtype)?;
     let [tokens, top_k, experts, hidden, inter] = dims.c_sizes()?;
-    let outputs = launch.run(|p| {
-        // SAFETY: as in `kda_gate`.
-        Ok(unsafe {
-            berrylm_moe_experts(
-                dtype_code(OP, dtype)?,
-                p.input(x),
-                p.input(weights),
-                p.input(ids),
-                p.input(gate_up),
-                p.input(down),
-                p.output(h),
-                p.output(expert_out),
-                p.output(y),
-                tokens,
-                top_k,
-                experts,
-                hidden,
-                inter,
-                p.stream(),
-            )
-        })
-    })?;
+    let outputs = run_kernel!(launch => berrylm_moe_experts(
+        dtype(dtype), input(x), input(weights), input(ids), input(gate_up), input(down),
+        output(h), output(expert_out), output(y),
+        tokens, top_k, experts, hidden, inter
+    ))?;
     Ok(outputs.tensor(y))
 }
 
@@ -344,23 +327,9 @@ fn combine(
     let dtype = launch.dtype(expert_out);
     let y = launch.output(&[dims.tokens, dims.hidden], dtype)?;
     let [tokens, top_k, experts, hidden, _] = dims.c_sizes()?;
-    let outputs = launch.run(|p| {
-        // SAFETY: as in `kda_gate`.
-        Ok(unsafe {
-            berrylm_moe_combine(
-                dtype_code(OP, dtype)?,
-                p.input(expert_out),
-                p.input(weights),
-                p.input(ids),
-                p.input(rows),
-                p.output(y),
-                tokens,
-                top_k,
-                experts,
-                hidden,
-                p.stream(),
-            )
-        })
-    })?;
+    let outputs = run_kernel!(launch => berrylm_moe_combine(
+        dtype(dtype), input(expert_out), input(weights), input(ids), input(rows), output(y),
+        tokens, top_k, experts, hidden
+    ))?;
     Ok(outputs.tensor(y))
 }

@@ -56,7 +56,7 @@ pub(crate) fn kda_recurrence(
     let new_state = launch.output(&state_shape, DType::F32)?;
     let state_rows = c_size(OP, "state", dims.batch)?;
     let outputs = launch.run(|p| {
-        // SAFETY: as in `kda_gate`; sequence `b` reads row `b` of `state`
+        // SAFETY: as in `run_kernel!`; sequence `b` reads row `b` of `state`
         // and writes row `b` of `new_state` (no slots: `B` rows).
         Ok(unsafe {
             call.launch(
@@ -88,7 +88,7 @@ pub(crate) fn kda_recurrence_in_pool(
     launch.in_pool(pool.states)?;
     let pool_rows = c_size(OP, "pool", pool_rows)?;
     let outputs = launch.run(|p| {
-        // SAFETY: as in `kda_gate`; the pool is `pool_rows` contiguous rows
+        // SAFETY: as in `run_kernel!`; the pool is `pool_rows` contiguous rows
         // of `Hv * dk * dv` f32 values from `p.pool()`, read and written in
         // place, and the kernels touch only rows `slots[b] < pool_rows`.
         Ok(unsafe { call.launch(p, p.pool(), p.pool(), p.input(slots), pool_rows) })
