@@ -88,7 +88,7 @@ pub(crate) use conv::{causal_conv1d, causal_conv1d_in_pool};
 pub(crate) use gate::{kda_beta, kda_gate};
 pub(crate) use gate_mul::sigmoid_gate_mul;
 pub(crate) use mlp::{add_moe_output, swiglu};
-pub(crate) use moe::{moe_experts, MoeDims};
+pub(crate) use moe::moe_experts;
 pub(crate) use norm::{gated_rms_norm, offset_rms_norm};
 pub(crate) use recurrence::{kda_recurrence, kda_recurrence_in_pool};
 pub(crate) use rope::offset_rms_norm_rope;
