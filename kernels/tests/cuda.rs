@@ -1671,18 +1671,27 @@ fn rope_tol(width: usize, dtype: DType) -> Tol {
     }
 }
 
+/// What an `offset_rms_norm_rope` check applies to the rows: the `f32`
+/// `scale` and the rotary tables `(cos, sin)` of [`rope_tables`].
+struct RopeParams {
+    scale: Tensor,
+    tables: (Tensor, Tensor),
+}
+
 /// `offset_rms_norm_rope` of `view` of `base` on the CPU and on the GPU
 /// (see [`view_on_both`]).
 fn rope_check(
     what: &str,
     base: &Tensor,
     view: impl Fn(&Tensor) -> candle_core::Result<Tensor>,
-    scale: &Tensor,
-    cos: &Tensor,
-    sin: &Tensor,
+    params: &RopeParams,
 ) -> Result<()> {
     let device = gpu();
     let (x, x_gpu) = view_on_both(base, view)?;
+    let RopeParams {
+        scale,
+        tables: (cos, sin),
+    } = params;
     let cpu = offset_rms_norm_rope(&x, scale, 1e-6, cos, sin)?;
     let cuda = offset_rms_norm_rope(
         &x_gpu,
@@ -1705,8 +1714,10 @@ fn offset_norm_rope_matches_cpu_at_model_shapes() -> Result<()> {
                 seed += 1;
                 let mut rng = Rng::new(seed);
                 let offsets: Vec<usize> = (0..batch).map(|b| 1000 * b + 3).collect();
-                let (cos, sin) = rope_tables(&offsets, seq_len, rotary, dtype)?;
-                let scale = random(&mut rng, &[HEAD_DIM], 0.5, 1.5, DType::F32)?;
+                let params = RopeParams {
+                    tables: rope_tables(&offsets, seq_len, rotary, dtype)?,
+                    scale: random(&mut rng, &[HEAD_DIM], 0.5, 1.5, DType::F32)?,
+                };
                 // q: the first half of each head of the interleaved q | gate
                 // projection, read in place (rows 2 * HEAD_DIM apart).
                 let q2 = random(
@@ -1720,9 +1731,7 @@ fn offset_norm_rope_matches_cpu_at_model_shapes() -> Result<()> {
                     &format!("offset_rms_norm_rope q [{batch}, {seq_len}] R {rotary} {dtype:?}"),
                     &q2,
                     |q2| q2.narrow(3, 0, HEAD_DIM),
-                    &scale,
-                    &cos,
-                    &sin,
+                    &params,
                 )?;
                 // k: contiguous.
                 let k = random(
@@ -1736,9 +1745,7 @@ fn offset_norm_rope_matches_cpu_at_model_shapes() -> Result<()> {
                     &format!("offset_rms_norm_rope k [{batch}, {seq_len}] R {rotary} {dtype:?}"),
                     &k,
                     |k| Ok(k.clone()),
-                    &scale,
-                    &cos,
-                    &sin,
+                    &params,
                 )?;
             }
         }
@@ -1753,42 +1760,38 @@ fn offset_norm_rope_matches_cpu_at_odd_shapes_and_layouts() -> Result<()> {
     // contiguous tensor (read in place at its start offset), and head dims
     // of one to eight warps per row with a single rotated pair.
     let x = random(&mut rng, &[2, HEADS, 5, HEAD_DIM], -3.0, 3.0, DType::BF16)?;
-    let scale = random(&mut rng, &[HEAD_DIM], 0.5, 1.5, DType::F32)?;
-    let (cos, sin) = rope_tables(&[7, 70_000], 5, ROTARY, DType::BF16)?;
+    let params = RopeParams {
+        scale: random(&mut rng, &[HEAD_DIM], 0.5, 1.5, DType::F32)?,
+        tables: rope_tables(&[7, 70_000], 5, ROTARY, DType::BF16)?,
+    };
     rope_check(
         "offset_rms_norm_rope transposed view",
         &x,
         |x| x.transpose(1, 2),
-        &scale,
-        &cos,
-        &sin,
+        &params,
     )?;
-    let (cos, sin) = rope_tables(&[0], 4, ROTARY, DType::BF16)?;
+    let params = RopeParams {
+        tables: rope_tables(&[0], 4, ROTARY, DType::BF16)?,
+        ..params
+    };
     let row_range = |x: &Tensor| {
         x.reshape((2 * HEADS * 5, HEAD_DIM))?
             .narrow(0, 9, 12)?
             .reshape((1, 4, 3, HEAD_DIM))
     };
-    rope_check(
-        "offset_rms_norm_rope start offset",
-        &x,
-        row_range,
-        &scale,
-        &cos,
-        &sin,
-    )?;
+    rope_check("offset_rms_norm_rope start offset", &x, row_range, &params)?;
     for width in [2, 24, 257, 513, 1025] {
         for dtype in [DType::F32, DType::BF16] {
             let x2 = random(&mut rng, &[3, 2, 5, 2 * width], -3.0, 3.0, dtype)?;
-            let scale = random(&mut rng, &[width], 0.5, 1.5, DType::F32)?;
-            let (cos, sin) = rope_tables(&[1, 2, 3], 2, 2, dtype)?;
+            let params = RopeParams {
+                scale: random(&mut rng, &[width], 0.5, 1.5, DType::F32)?,
+                tables: rope_tables(&[1, 2, 3], 2, 2, dtype)?,
+            };
             rope_check(
                 &format!("offset_rms_norm_rope width {width} {dtype:?}"),
                 &x2,
                 |x2| x2.narrow(3, width, width),
-                &scale,
-                &cos,
-                &sin,
+                &params,
             )?;
         }
     }
