@@ -36,8 +36,8 @@ extern "C" {
 /// CUDA `offset_rms_norm_rope`; arguments already validated by the caller.
 pub(crate) fn offset_rms_norm_rope(args: &NormRopeArgs<'_>) -> Result<Tensor> {
     const OP: &str = "offset_rms_norm_rope";
-    let mut launch = Launch::new(OP, args.x)?;
     let (batch, seq_len, heads, width) = args.x.dims4()?;
+    let mut launch = Launch::new(OP, args.x)?;
     let (x, x_stride) = launch.input_rows("x", args.x)?;
     let scale = launch.input_as("scale", args.scale, DType::F32)?;
     let cos = launch.input("cos", args.cos)?;
