@@ -482,6 +482,13 @@ struct RecInputs {
     unrounded: Option<[Tensor; 3]>,
 }
 
+impl RecInputs {
+    /// `[q, k, v, g, beta]`.
+    fn tokens(&self) -> [&Tensor; 5] {
+        [&self.q, &self.k, &self.v, &self.g, &self.beta]
+    }
+}
+
 fn rec_inputs(rng: &mut Rng, s: RecSizes, qkv: DType, g_low: f32) -> Result<RecInputs> {
     let RecSizes {
         batch: b,
@@ -527,23 +534,10 @@ fn rec_step(
 ) -> Result<(Tensor, Tensor, bool)> {
     let dev = gpu();
     let what = format!("{what} [{algorithm:?}]");
-    let (o_cpu, s_cpu) = kda_recurrence(
-        &inputs.q,
-        &inputs.k,
-        &inputs.v,
-        &inputs.g,
-        &inputs.beta,
-        state_cpu,
-    )?;
-    let (o_gpu, s_gpu) = kda_recurrence_with(
-        algorithm,
-        &to_gpu(&inputs.q, &dev)?,
-        &to_gpu(&inputs.k, &dev)?,
-        &to_gpu(&inputs.v, &dev)?,
-        &to_gpu(&inputs.g, &dev)?,
-        &to_gpu(&inputs.beta, &dev)?,
-        state_gpu,
-    )?;
+    let [q, k, v, g, beta] = inputs.tokens();
+    let (o_cpu, s_cpu) = kda_recurrence(q, k, v, g, beta, state_cpu)?;
+    let [q, k, v, g, beta] = [q, k, v, g, beta].map(|t| to_gpu(t, &dev));
+    let (o_gpu, s_gpu) = kda_recurrence_with(algorithm, &q?, &k?, &v?, &g?, &beta?, state_gpu)?;
     let [_, t, _, dk] = *inputs.q.dims() else {
         unreachable!()
     };
@@ -876,38 +870,26 @@ fn pool_case(seed: u64, s: RecSizes, qkv: DType) -> Result<()> {
 
     let algorithm = KdaPrefillAlgorithm::for_len(s.seq_len);
     let pool_cpu = pool.copy()?;
-    let o_cpu = kda_recurrence_in_pool_with(
-        algorithm,
-        &inputs.q,
-        &inputs.k,
-        &inputs.v,
-        &inputs.g,
-        &inputs.beta,
-        StatePool {
-            states: &pool_cpu,
-            slots: &Tensor::new(slots.as_slice(), &Device::Cpu)?,
-            host_slots: &slots,
-        },
-    )?;
+    // `kda_recurrence_in_pool_with` of `[q, k, v, g, beta]` on `states`, a
+    // pool on `device`, at rows `slots`.
+    let in_pool =
+        |[q, k, v, g, beta]: [&Tensor; 5], states: &Tensor, device: &Device| -> Result<Tensor> {
+            let pool = StatePool {
+                states,
+                slots: &Tensor::new(slots.as_slice(), device)?,
+                host_slots: &slots,
+            };
+            kda_recurrence_in_pool_with(algorithm, q, k, v, g, beta, pool)
+        };
+    let o_cpu = in_pool(inputs.tokens(), &pool_cpu, &Device::Cpu)?;
 
-    let [q, k, v, g, beta] = [&inputs.q, &inputs.k, &inputs.v, &inputs.g, &inputs.beta]
+    let [q, k, v, g, beta] = inputs
+        .tokens()
         .map(|t| to_gpu(t, &dev).expect("copy to the GPU"));
     let pool_gpu = to_gpu(&pool, &dev)?;
     let (o_gathered, s_gathered) =
         kda_recurrence(&q, &k, &v, &g, &beta, &pool_rows(&pool_gpu, &slots)?)?;
-    let o_gpu = kda_recurrence_in_pool_with(
-        algorithm,
-        &q,
-        &k,
-        &v,
-        &g,
-        &beta,
-        StatePool {
-            states: &pool_gpu,
-            slots: &Tensor::new(slots.as_slice(), &dev)?,
-            host_slots: &slots,
-        },
-    )?;
+    let o_gpu = in_pool([&q, &k, &v, &g, &beta], &pool_gpu, &dev)?;
 
     let tensor_cores = s.seq_len >= 64;
     let tol = if tensor_cores { CHUNKED_TF32 } else { TIGHT };
