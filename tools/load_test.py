@@ -37,6 +37,7 @@ supports, which the streaming modes work around:
 
 import argparse
 import asyncio
+import dataclasses
 import http.client
 import ipaddress
 import json
@@ -48,6 +49,7 @@ import sys
 import threading
 import time
 import urllib.parse
+from typing import Optional
 
 MODES = ("sweep", "interference", "soak")
 
@@ -196,14 +198,14 @@ def load_prompts(path):
     return prompts
 
 
+@dataclasses.dataclass(eq=False)
 class Result:
-    def __init__(self):
-        self.ok = False
-        self.error = None
-        self.latency_s = None
-        self.ttft_s = None
-        self.completion_tokens = None
-        self.tokens_estimated = False
+    ok: bool = False
+    error: Optional[str] = None
+    latency_s: Optional[float] = None
+    ttft_s: Optional[float] = None
+    completion_tokens: Optional[int] = None
+    tokens_estimated: bool = False
 
 
 def carries_output(chunk):

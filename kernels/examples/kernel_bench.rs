@@ -31,11 +31,8 @@ const DK: usize = 128;
 const DV: usize = 128;
 
 struct Inputs {
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
+    /// `[q, k, v, g, beta]`.
+    tokens: [Tensor; 5],
     state: Tensor,
 }
 
@@ -44,17 +41,20 @@ fn inputs(device: &Device, batch: usize, seq_len: usize) -> candle_core::Result<
         Tensor::rand(lo, hi, dims, device)?.to_dtype(dtype)
     };
     Ok(Inputs {
-        q: uniform(&[batch, seq_len, HK, DK], -1.0, 1.0, DType::BF16)?,
-        k: uniform(&[batch, seq_len, HK, DK], -1.0, 1.0, DType::BF16)?,
-        v: uniform(&[batch, seq_len, HV, DV], -1.0, 1.0, DType::BF16)?,
-        g: uniform(&[batch, seq_len, HV, DK], -1.0, 0.0, DType::F32)?,
-        beta: uniform(&[batch, seq_len, HV], 0.0, 1.0, DType::F32)?,
+        tokens: [
+            uniform(&[batch, seq_len, HK, DK], -1.0, 1.0, DType::BF16)?,
+            uniform(&[batch, seq_len, HK, DK], -1.0, 1.0, DType::BF16)?,
+            uniform(&[batch, seq_len, HV, DV], -1.0, 1.0, DType::BF16)?,
+            uniform(&[batch, seq_len, HV, DK], -1.0, 0.0, DType::F32)?,
+            uniform(&[batch, seq_len, HV], 0.0, 1.0, DType::F32)?,
+        ],
         state: uniform(&[batch, HV, DK, DV], -0.5, 0.5, DType::F32)?,
     })
 }
 
 fn recurrence_call(algorithm: KdaPrefillAlgorithm, x: &Inputs) -> candle_core::Result<()> {
-    let (out, state) = kda_recurrence_with(algorithm, &x.q, &x.k, &x.v, &x.g, &x.beta, &x.state)?;
+    let [q, k, v, g, beta] = &x.tokens;
+    let (out, state) = kda_recurrence_with(algorithm, q, k, v, g, beta, &x.state)?;
     drop((out, state));
     Ok(())
 }

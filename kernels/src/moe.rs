@@ -113,25 +113,40 @@ pub fn moe_experts(
             format!("empty experts: E {experts}, I {inter}, k {top_k}"),
         ));
     }
+    let args = MoeExpertsArgs {
+        x,
+        weights,
+        ids,
+        gate_up,
+        down,
+        tokens,
+        top_k,
+        experts,
+        hidden,
+        inter,
+    };
     on_device!(
         OP,
         device,
-        cpu_moe_experts(x, weights, ids, gate_up, down, inter),
-        crate::cuda::moe_experts(
-            x,
-            weights,
-            ids,
-            gate_up,
-            down,
-            &crate::cuda::MoeDims {
-                tokens,
-                top_k,
-                experts,
-                hidden,
-                inter,
-            },
-        ),
+        cpu_moe_experts(&args),
+        crate::cuda::moe_experts(&args),
     )
+}
+
+/// The validated arguments of a [`moe_experts`] call and its sizes: `x`
+/// `[tokens, hidden]`, `weights` and `ids` `[tokens, top_k]`, `gate_up`
+/// `[experts, 2 * inter, hidden]` and `down` `[experts, hidden, inter]`.
+pub(crate) struct MoeExpertsArgs<'a> {
+    pub x: &'a Tensor,
+    pub weights: &'a Tensor,
+    pub ids: &'a Tensor,
+    pub gate_up: &'a Tensor,
+    pub down: &'a Tensor,
+    pub tokens: usize,
+    pub top_k: usize,
+    pub experts: usize,
+    pub hidden: usize,
+    pub inter: usize,
 }
 
 /// `sum_c row[c] * v[c]` in f32, in index order.
@@ -139,21 +154,14 @@ fn dot(row: &[f32], v: &[f32]) -> f32 {
     row.iter().zip(v).map(|(a, b)| a * b).sum()
 }
 
-fn cpu_moe_experts(
-    x: &Tensor,
-    weights: &Tensor,
-    ids: &Tensor,
-    gate_up: &Tensor,
-    down: &Tensor,
-    inter: usize,
-) -> Result<Tensor> {
-    let dtype = x.dtype();
-    let (tokens, hidden) = x.dims2()?;
-    let top_k = ids.dim(1)?;
-    let experts = gate_up.dim(0)?;
-    let x = to_f32_vec(x)?;
-    let weights = to_f32_vec(weights)?;
-    let ids: Vec<u32> = ids.flatten_all()?.to_vec1()?;
+fn cpu_moe_experts(args: &MoeExpertsArgs<'_>) -> Result<Tensor> {
+    let (tokens, top_k, experts) = (args.tokens, args.top_k, args.experts);
+    let (hidden, inter) = (args.hidden, args.inter);
+    let (gate_up, down) = (args.gate_up, args.down);
+    let dtype = args.x.dtype();
+    let x = to_f32_vec(args.x)?;
+    let weights = to_f32_vec(args.weights)?;
+    let ids: Vec<u32> = args.ids.flatten_all()?.to_vec1()?;
     if let Some(&bad) = ids.iter().find(|&&id| id as usize >= experts) {
         return Err(invalid_argument(
             OP,

@@ -60,14 +60,15 @@ pub(crate) struct KdaTokens<'a> {
     pub beta: &'a Tensor,
 }
 
-/// Sizes of one recurrence call.
-pub(crate) struct RecurrenceDims {
-    pub batch: usize,
-    pub seq_len: usize,
-    pub key_heads: usize,
-    pub value_heads: usize,
-    pub key_dim: usize,
-    pub value_dim: usize,
+/// Sizes of one recurrence call (as `usize`, or as the CUDA launcher's
+/// `c_int`).
+pub(crate) struct RecurrenceDims<T = usize> {
+    pub batch: T,
+    pub seq_len: T,
+    pub key_heads: T,
+    pub value_heads: T,
+    pub key_dim: T,
+    pub value_dim: T,
 }
 
 /// Runs the KDA recurrence token by token, in `f32`.

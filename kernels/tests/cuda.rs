@@ -200,22 +200,66 @@ fn compare_on_both<const N: usize>(
 /// The three activation dtypes.
 const ALL_DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
 
-/// Runs `case` for every case and dtype (cases outer), each with a generator
-/// of its own: seeds `first_seed + 1`, `first_seed + 2`, ... in that order.
+/// The activation dtypes without f16.
+const F32_BF16: [DType; 2] = [DType::F32, DType::BF16];
+
+/// `(batch, seq_len)` of the conv calls at model shapes: decode at B = 1 and
+/// 8 and a 200-token prefill.
+const CONV_MODEL_CALLS: [(usize, usize); 3] = [(1, 1), (8, 1), (1, 200)];
+
+/// The widths of the KDA layer's conv outputs: q | k | v.
+const CONV_WIDTHS: [usize; 3] = [HK * DK, HK * DK, HV * DV];
+
+/// `x` `[batch, seq_len, CONV_DIM]` in `dtype` and the (f32) weights of a
+/// conv call at model shapes, drawn from `rng` in that order.
+fn conv_model_inputs(
+    rng: &mut Rng,
+    (batch, seq_len): (usize, usize),
+    dtype: DType,
+) -> Result<(Tensor, Tensor)> {
+    let x = random(rng, &[batch, seq_len, CONV_DIM], -2.0, 2.0, dtype)?;
+    let weight = random(rng, &[CONV_DIM, CONV_K], -0.6, 0.6, DType::F32)?;
+    Ok((x, weight))
+}
+
+/// Runs `case` for every case and variant (a dtype, mostly; cases outer),
+/// each with a seed of its own: `first_seed + 1`, `first_seed + 2`, ... in
+/// that order.
+fn sweep_seeds<C: Copy, V: Copy>(
+    first_seed: u64,
+    cases: impl IntoIterator<Item = C>,
+    variants: &[V],
+    mut case: impl FnMut(u64, C, V) -> Result<()>,
+) -> Result<()> {
+    let mut seed = first_seed;
+    for item in cases {
+        for &variant in variants {
+            seed += 1;
+            case(seed, item, variant)?;
+        }
+    }
+    Ok(())
+}
+
+/// [`sweep_seeds`] over dtypes, each case with a generator of its own seed.
 fn sweep<C: Copy>(
     first_seed: u64,
     cases: impl IntoIterator<Item = C>,
     dtypes: &[DType],
     mut case: impl FnMut(&mut Rng, C, DType) -> Result<()>,
 ) -> Result<()> {
-    let mut seed = first_seed;
-    for item in cases {
-        for &dtype in dtypes {
-            seed += 1;
-            case(&mut Rng::new(seed), item, dtype)?;
-        }
-    }
-    Ok(())
+    sweep_seeds(first_seed, cases, dtypes, |seed, item, dtype| {
+        case(&mut Rng::new(seed), item, dtype)
+    })
+}
+
+/// Every `(a, b)` of `outer` and `inner`, `outer` first: the cases of two
+/// nested loops.
+fn pairs<A: Copy, B: Copy>(outer: &[A], inner: &[B]) -> Vec<(A, B)> {
+    outer
+        .iter()
+        .flat_map(|&a| inner.iter().map(move |&b| (a, b)))
+        .collect()
 }
 
 /// `view` of the CPU tensor `base` and the same view of its copy on the GPU,
@@ -342,19 +386,16 @@ fn conv_case(seed: u64, case: &ConvCase) -> Result<()> {
 /// The KDA layer's call: q | k | v as three outputs, at decode and prefill.
 #[test]
 fn conv_split_matches_cpu_at_model_shapes() -> Result<()> {
-    let widths = [HK * DK, HK * DK, HV * DV];
-    let cases = [(1, 1), (8, 1), (1, 200)];
     sweep(
         2400,
-        cases,
-        &[DType::F32, DType::BF16],
+        CONV_MODEL_CALLS,
+        &F32_BF16,
         |rng, (batch, seq_len), dtype| {
-            let x = random(rng, &[batch, seq_len, CONV_DIM], -2.0, 2.0, dtype)?;
-            let weight = random(rng, &[CONV_DIM, CONV_K], -0.6, 0.6, DType::F32)?;
+            let (x, weight) = conv_model_inputs(rng, (batch, seq_len), dtype)?;
             let state = random(rng, &[batch, CONV_DIM, CONV_K], -2.0, 2.0, DType::F32)?;
             let ((parts_cuda, state_cuda), (parts_cpu, state_cpu)) =
                 on_both([&x, &weight, &state], |[x, weight, state]| {
-                    causal_conv1d_split(x, weight, state, &widths)
+                    causal_conv1d_split(x, weight, state, &CONV_WIDTHS)
                 })?;
             let what = format!("causal_conv1d_split B={batch} T={seq_len} {dtype:?}");
             compare_parts(&what, &parts_cuda, &parts_cpu, output_tol(dtype))?;
@@ -365,25 +406,20 @@ fn conv_split_matches_cpu_at_model_shapes() -> Result<()> {
 
 #[test]
 fn conv_matches_cpu_at_model_shapes() -> Result<()> {
-    let mut seed = 100;
-    for batch in [1, 8] {
-        for seq_len in [1, 3, 64, 200] {
-            for dtype in [DType::F32, DType::BF16] {
-                seed += 1;
-                conv_case(
-                    seed,
-                    &ConvCase {
-                        batch,
-                        seq_len,
-                        channels: CONV_DIM,
-                        kernel: CONV_K,
-                        x_dtype: dtype,
-                        state_dtype: dtype,
-                    },
-                )?;
-            }
-        }
-    }
+    let cases = pairs(&[1, 8], &[1, 3, 64, 200]);
+    sweep_seeds(100, cases, &F32_BF16, |seed, (batch, seq_len), dtype| {
+        conv_case(
+            seed,
+            &ConvCase {
+                batch,
+                seq_len,
+                channels: CONV_DIM,
+                kernel: CONV_K,
+                x_dtype: dtype,
+                state_dtype: dtype,
+            },
+        )
+    })?;
     // Decode at a large batch.
     conv_case(
         99,
@@ -402,32 +438,32 @@ fn conv_matches_cpu_at_model_shapes() -> Result<()> {
 #[test]
 fn conv_matches_cpu_at_odd_shapes_and_dtypes() -> Result<()> {
     let channels = 2 * 2 * 12 + 4 * 24;
-    let mut seed = 200;
-    for kernel in [2, 3, 4, 5] {
-        for seq_len in [1, 2, 3, 7, 130] {
-            for (x_dtype, state_dtype) in [
-                (DType::F32, DType::F32),
-                (DType::BF16, DType::BF16),
-                (DType::F16, DType::F16),
-                (DType::BF16, DType::F32),
-                (DType::F32, DType::BF16),
-            ] {
-                seed += 1;
-                conv_case(
-                    seed,
-                    &ConvCase {
-                        batch: 3,
-                        seq_len,
-                        channels,
-                        kernel,
-                        x_dtype,
-                        state_dtype,
-                    },
-                )?;
-            }
-        }
-    }
-    Ok(())
+    let cases = pairs(&[2, 3, 4, 5], &[1, 2, 3, 7, 130]);
+    let dtypes = [
+        (DType::F32, DType::F32),
+        (DType::BF16, DType::BF16),
+        (DType::F16, DType::F16),
+        (DType::BF16, DType::F32),
+        (DType::F32, DType::BF16),
+    ];
+    sweep_seeds(
+        200,
+        cases,
+        &dtypes,
+        |seed, (kernel, seq_len), (x_dtype, state_dtype)| {
+            conv_case(
+                seed,
+                &ConvCase {
+                    batch: 3,
+                    seq_len,
+                    channels,
+                    kernel,
+                    x_dtype,
+                    state_dtype,
+                },
+            )
+        },
+    )
 }
 
 #[test]
@@ -482,6 +518,13 @@ struct RecInputs {
     unrounded: Option<[Tensor; 3]>,
 }
 
+impl RecInputs {
+    /// `[q, k, v, g, beta]`.
+    fn tokens(&self) -> [&Tensor; 5] {
+        [&self.q, &self.k, &self.v, &self.g, &self.beta]
+    }
+}
+
 fn rec_inputs(rng: &mut Rng, s: RecSizes, qkv: DType, g_low: f32) -> Result<RecInputs> {
     let RecSizes {
         batch: b,
@@ -527,23 +570,10 @@ fn rec_step(
 ) -> Result<(Tensor, Tensor, bool)> {
     let dev = gpu();
     let what = format!("{what} [{algorithm:?}]");
-    let (o_cpu, s_cpu) = kda_recurrence(
-        &inputs.q,
-        &inputs.k,
-        &inputs.v,
-        &inputs.g,
-        &inputs.beta,
-        state_cpu,
-    )?;
-    let (o_gpu, s_gpu) = kda_recurrence_with(
-        algorithm,
-        &to_gpu(&inputs.q, &dev)?,
-        &to_gpu(&inputs.k, &dev)?,
-        &to_gpu(&inputs.v, &dev)?,
-        &to_gpu(&inputs.g, &dev)?,
-        &to_gpu(&inputs.beta, &dev)?,
-        state_gpu,
-    )?;
+    let [q, k, v, g, beta] = inputs.tokens();
+    let (o_cpu, s_cpu) = kda_recurrence(q, k, v, g, beta, state_cpu)?;
+    let [q, k, v, g, beta] = [q, k, v, g, beta].map(|t| to_gpu(t, &dev));
+    let (o_gpu, s_gpu) = kda_recurrence_with(algorithm, &q?, &k?, &v?, &g?, &beta?, state_gpu)?;
     let [_, t, _, dk] = *inputs.q.dims() else {
         unreachable!()
     };
@@ -699,29 +729,29 @@ fn recurrence_prefill_chunk_boundaries_and_extreme_gates() -> Result<()> {
 
 #[test]
 fn recurrence_matches_cpu_at_odd_shapes() -> Result<()> {
-    let mut seed = 600;
-    for (hk, hv, dk, dv) in [
+    let heads = [
         (2, 4, 12, 24),
         (2, 4, 12, 40),
         (1, 2, 200, 8),
         (3, 3, 65, 33),
-    ] {
-        for seq_len in [1, 5, 70] {
-            for qkv in [DType::F32, DType::BF16, DType::F16] {
-                seed += 1;
-                let s = RecSizes {
-                    batch: 2,
-                    seq_len,
-                    hk,
-                    hv,
-                    dk,
-                    dv,
-                };
-                rec_case(seed, s, qkv, false, -1.0)?;
-            }
-        }
-    }
-    Ok(())
+    ];
+    let cases = pairs(&heads, &[1, 5, 70]);
+    sweep_seeds(
+        600,
+        cases,
+        &ALL_DTYPES,
+        |seed, ((hk, hv, dk, dv), seq_len), qkv| {
+            let s = RecSizes {
+                batch: 2,
+                seq_len,
+                hk,
+                hv,
+                dk,
+                dv,
+            };
+            rec_case(seed, s, qkv, false, -1.0)
+        },
+    )
 }
 
 #[test]
@@ -876,38 +906,26 @@ fn pool_case(seed: u64, s: RecSizes, qkv: DType) -> Result<()> {
 
     let algorithm = KdaPrefillAlgorithm::for_len(s.seq_len);
     let pool_cpu = pool.copy()?;
-    let o_cpu = kda_recurrence_in_pool_with(
-        algorithm,
-        &inputs.q,
-        &inputs.k,
-        &inputs.v,
-        &inputs.g,
-        &inputs.beta,
-        StatePool {
-            states: &pool_cpu,
-            slots: &Tensor::new(slots.as_slice(), &Device::Cpu)?,
-            host_slots: &slots,
-        },
-    )?;
+    // `kda_recurrence_in_pool_with` of `[q, k, v, g, beta]` on `states`, a
+    // pool on `device`, at rows `slots`.
+    let in_pool =
+        |[q, k, v, g, beta]: [&Tensor; 5], states: &Tensor, device: &Device| -> Result<Tensor> {
+            let pool = StatePool {
+                states,
+                slots: &Tensor::new(slots.as_slice(), device)?,
+                host_slots: &slots,
+            };
+            kda_recurrence_in_pool_with(algorithm, q, k, v, g, beta, pool)
+        };
+    let o_cpu = in_pool(inputs.tokens(), &pool_cpu, &Device::Cpu)?;
 
-    let [q, k, v, g, beta] = [&inputs.q, &inputs.k, &inputs.v, &inputs.g, &inputs.beta]
+    let [q, k, v, g, beta] = inputs
+        .tokens()
         .map(|t| to_gpu(t, &dev).expect("copy to the GPU"));
     let pool_gpu = to_gpu(&pool, &dev)?;
     let (o_gathered, s_gathered) =
         kda_recurrence(&q, &k, &v, &g, &beta, &pool_rows(&pool_gpu, &slots)?)?;
-    let o_gpu = kda_recurrence_in_pool_with(
-        algorithm,
-        &q,
-        &k,
-        &v,
-        &g,
-        &beta,
-        StatePool {
-            states: &pool_gpu,
-            slots: &Tensor::new(slots.as_slice(), &dev)?,
-            host_slots: &slots,
-        },
-    )?;
+    let o_gpu = in_pool([&q, &k, &v, &g, &beta], &pool_gpu, &dev)?;
 
     let tensor_cores = s.seq_len >= 64;
     let tol = if tensor_cores { CHUNKED_TF32 } else { TIGHT };
@@ -943,16 +961,10 @@ fn pool_case(seed: u64, s: RecSizes, qkv: DType) -> Result<()> {
 /// else `tiles`) and a short prefill (T = 3: `tiles`) in the pool.
 #[test]
 fn recurrence_in_pool_matches_cpu_at_model_shapes() -> Result<()> {
-    let mut seed = 900;
-    for batch in [1, 8, 64] {
-        for seq_len in [1, 3] {
-            for qkv in [DType::F32, DType::BF16] {
-                seed += 1;
-                pool_case(seed, model(batch, seq_len), qkv)?;
-            }
-        }
-    }
-    Ok(())
+    let cases = pairs(&[1, 8, 64], &[1, 3]);
+    sweep_seeds(900, cases, &F32_BF16, |seed, (batch, seq_len), qkv| {
+        pool_case(seed, model(batch, seq_len), qkv)
+    })
 }
 
 /// A prefill of 64 tokens continuing pooled states: the chunked kernels.
@@ -1007,34 +1019,27 @@ fn attn_res_case(
 
 #[test]
 fn attn_res_matches_cpu_at_model_shapes() -> Result<()> {
-    let mut seed = 900;
-    for tokens in [1, 64, 200] {
-        for count in [2, 3, 6] {
-            for dtype in [DType::F32, DType::BF16] {
-                for gate in [None, Some(0.0), Some(0.7)] {
-                    seed += 1;
-                    attn_res_case(seed, tokens, HIDDEN, count, dtype, gate)?;
-                }
-            }
-        }
-    }
+    let cases = pairs(&pairs(&[1, 64, 200], &[2, 3, 6]), &F32_BF16);
+    let gates = [None, Some(0.0), Some(0.7)];
+    sweep_seeds(
+        900,
+        cases,
+        &gates,
+        |seed, ((tokens, count), dtype), gate| {
+            attn_res_case(seed, tokens, HIDDEN, count, dtype, gate)
+        },
+    )?;
     attn_res_case(990, 8, HIDDEN, 4, DType::F16, Some(-1.3))?;
     Ok(())
 }
 
 #[test]
 fn attn_res_matches_cpu_at_odd_shapes() -> Result<()> {
-    let mut seed = 1000;
-    for hidden in [24, 300] {
-        for count in [1, 3, 32] {
-            for dtype in [DType::F32, DType::BF16, DType::F16] {
-                seed += 1;
-                attn_res_case(seed, 5, hidden, count, dtype, Some(0.4))?;
-                attn_res_case(seed, 5, hidden, count, dtype, None)?;
-            }
-        }
-    }
-    Ok(())
+    let cases = pairs(&[24, 300], &[1, 3, 32]);
+    sweep_seeds(1000, cases, &ALL_DTYPES, |seed, (hidden, count), dtype| {
+        attn_res_case(seed, 5, hidden, count, dtype, Some(0.4))?;
+        attn_res_case(seed, 5, hidden, count, dtype, None)
+    })
 }
 
 #[test]
@@ -1090,26 +1095,19 @@ fn norm_case(seed: u64, rows: usize, width: usize, x_dtype: DType, z_dtype: DTyp
 
 #[test]
 fn norm_matches_cpu_at_model_shapes() -> Result<()> {
-    let mut seed = 1200;
-    for tokens in [1, 8, 64, 200] {
-        for dtype in [DType::F32, DType::BF16, DType::F16] {
-            seed += 1;
-            norm_case(seed, tokens * HV, DV, dtype, dtype)?;
-        }
-    }
+    sweep_seeds(1200, [1, 8, 64, 200], &ALL_DTYPES, |seed, tokens, dtype| {
+        norm_case(seed, tokens * HV, DV, dtype, dtype)
+    })?;
     norm_case(1250, 64 * HV, DV, DType::BF16, DType::F32)?;
     Ok(())
 }
 
 #[test]
 fn norm_matches_cpu_at_odd_shapes_and_layouts() -> Result<()> {
-    let mut seed = 1300;
-    for width in [1, 24, 1000, HIDDEN] {
-        for dtype in [DType::F32, DType::BF16] {
-            seed += 1;
-            norm_case(seed, 9, width, dtype, dtype)?;
-        }
-    }
+    let widths = [1, 24, 1000, HIDDEN];
+    sweep_seeds(1300, widths, &F32_BF16, |seed, width, dtype| {
+        norm_case(seed, 9, width, dtype, dtype)
+    })?;
     // Views: a row range (non-zero start offset) and a column range
     // (non-contiguous).
     let dev = gpu();
@@ -1208,17 +1206,12 @@ fn offset_norm_case(seed: u64, dims: &[usize], dtype: DType) -> Result<()> {
 
 #[test]
 fn offset_norm_matches_cpu_at_model_shapes() -> Result<()> {
-    let mut seed = 1600;
-    for rows in [1, 7, 300] {
-        for dtype in [DType::F32, DType::BF16, DType::F16] {
-            seed += 1;
-            // Layer and final norms: [B, T, hidden].
-            offset_norm_case(seed, &[1, rows, HIDDEN], dtype)?;
-            // q/k norms: [B, T, heads, head_dim].
-            offset_norm_case(seed, &[1, rows, HEADS, HEAD_DIM], dtype)?;
-        }
-    }
-    Ok(())
+    sweep_seeds(1600, [1, 7, 300], &ALL_DTYPES, |seed, rows, dtype| {
+        // Layer and final norms: [B, T, hidden].
+        offset_norm_case(seed, &[1, rows, HIDDEN], dtype)?;
+        // q/k norms: [B, T, heads, head_dim].
+        offset_norm_case(seed, &[1, rows, HEADS, HEAD_DIM], dtype)
+    })
 }
 
 /// The residual add and norm of a decoder layer, at its shapes: the sum
@@ -1242,16 +1235,12 @@ fn add_offset_norm_matches_cpu() -> Result<()> {
 
 #[test]
 fn offset_norm_matches_cpu_at_odd_widths_and_layouts() -> Result<()> {
-    let mut seed = 1700;
     // One warp per row up to 256, then 2, 4 and 8 warps; 8192 is the widest.
-    for width in [1, 24, 255, 257, 513, 1000, 1025, 8192] {
-        for dtype in [DType::F32, DType::BF16] {
-            for rows in [1, 7, 300] {
-                seed += 1;
-                offset_norm_case(seed, &[rows, width], dtype)?;
-            }
-        }
-    }
+    let widths = [1, 24, 255, 257, 513, 1000, 1025, 8192];
+    let cases = pairs(&widths, &F32_BF16);
+    sweep_seeds(1700, cases, &[1, 7, 300], |seed, (width, dtype), rows| {
+        offset_norm_case(seed, &[rows, width], dtype)
+    })?;
     // A transposed view ([B, T, H, D] -> [B, H, T, D], non-contiguous) and a
     // row range (contiguous, non-zero start offset).
     let mut rng = Rng::new(1800);
@@ -1447,8 +1436,7 @@ fn route_matches_cpu_at_model_shapes() -> Result<()> {
 /// plus a row of equal logits and a row with a NaN.
 #[test]
 fn route_breaks_exact_ties_like_cpu() -> Result<()> {
-    let mut seed = 2000;
-    for (experts, top_k) in [
+    let cases = [
         (EXPERTS, TOP_K),
         (EXPERTS, 1),
         (EXPERTS, 2),
@@ -1457,11 +1445,13 @@ fn route_breaks_exact_ties_like_cpu() -> Result<()> {
         (512, 512),
         (16, 16),
         (7, 3),
-    ] {
-        for logits_dtype in [DType::F32, DType::BF16] {
-            seed += 1;
+    ];
+    sweep(
+        2000,
+        cases,
+        &F32_BF16,
+        |rng, (experts, top_k), logits_dtype| {
             let rows = 300;
-            let mut rng = Rng::new(seed);
             let mut values: Vec<f32> = rng
                 .uniform_vec(rows * experts, -4.0, 4.0)
                 .into_iter()
@@ -1473,9 +1463,9 @@ fn route_breaks_exact_ties_like_cpu() -> Result<()> {
             let what = format!("moe_route ties E={experts} k={top_k} {logits_dtype:?}");
             let near_tie_rows = route_check(&what, &logits, top_k, true, DType::F32)?;
             assert_eq!(near_tie_rows, 0, "{what}");
-        }
-    }
-    Ok(())
+            Ok(())
+        },
+    )
 }
 
 #[test]
@@ -1671,79 +1661,82 @@ fn rope_tol(width: usize, dtype: DType) -> Tol {
     }
 }
 
-/// `offset_rms_norm_rope` of `view` of `base` on the CPU and on the GPU
-/// (see [`view_on_both`]).
-fn rope_check(
-    what: &str,
-    base: &Tensor,
-    view: impl Fn(&Tensor) -> candle_core::Result<Tensor>,
-    scale: &Tensor,
-    cos: &Tensor,
-    sin: &Tensor,
-) -> Result<()> {
-    let device = gpu();
-    let (x, x_gpu) = view_on_both(base, view)?;
-    let cpu = offset_rms_norm_rope(&x, scale, 1e-6, cos, sin)?;
-    let cuda = offset_rms_norm_rope(
-        &x_gpu,
-        &to_gpu(scale, &device)?,
-        1e-6,
-        &to_gpu(cos, &device)?,
-        &to_gpu(sin, &device)?,
-    )?;
-    assert!(cuda.is_contiguous(), "{what}: result is not contiguous");
-    compare(what, &cuda, &cpu, rope_tol(x.dims()[3], x.dtype()))?;
-    Ok(())
+/// What an `offset_rms_norm_rope` check applies to the rows: the `f32`
+/// `scale` and the rotary tables `(cos, sin)` of [`rope_tables`].
+struct RopeParams {
+    scale: Tensor,
+    tables: (Tensor, Tensor),
+}
+
+impl RopeParams {
+    /// `offset_rms_norm_rope` of `view` of `base` with these parameters on
+    /// the CPU and on the GPU (see [`view_on_both`]).
+    fn check(
+        &self,
+        what: &str,
+        base: &Tensor,
+        view: impl Fn(&Tensor) -> candle_core::Result<Tensor>,
+    ) -> Result<()> {
+        let device = gpu();
+        let (x, x_gpu) = view_on_both(base, view)?;
+        let (scale, (cos, sin)) = (&self.scale, &self.tables);
+        let cpu = offset_rms_norm_rope(&x, scale, 1e-6, cos, sin)?;
+        let cuda = offset_rms_norm_rope(
+            &x_gpu,
+            &to_gpu(scale, &device)?,
+            1e-6,
+            &to_gpu(cos, &device)?,
+            &to_gpu(sin, &device)?,
+        )?;
+        assert!(cuda.is_contiguous(), "{what}: result is not contiguous");
+        compare(what, &cuda, &cpu, rope_tol(x.dims()[3], x.dtype()))?;
+        Ok(())
+    }
 }
 
 #[test]
 fn offset_norm_rope_matches_cpu_at_model_shapes() -> Result<()> {
-    let mut seed = 2400;
-    for (batch, seq_len) in [(1, 1), (4, 1), (1, 37), (4, 37)] {
-        for dtype in [DType::F32, DType::BF16, DType::F16] {
-            for rotary in [ROTARY, HEAD_DIM] {
-                seed += 1;
-                let mut rng = Rng::new(seed);
-                let offsets: Vec<usize> = (0..batch).map(|b| 1000 * b + 3).collect();
-                let (cos, sin) = rope_tables(&offsets, seq_len, rotary, dtype)?;
-                let scale = random(&mut rng, &[HEAD_DIM], 0.5, 1.5, DType::F32)?;
-                // q: the first half of each head of the interleaved q | gate
-                // projection, read in place (rows 2 * HEAD_DIM apart).
-                let q2 = random(
-                    &mut rng,
-                    &[batch, seq_len, HEADS, 2 * HEAD_DIM],
-                    -3.0,
-                    3.0,
-                    dtype,
-                )?;
-                rope_check(
-                    &format!("offset_rms_norm_rope q [{batch}, {seq_len}] R {rotary} {dtype:?}"),
-                    &q2,
-                    |q2| q2.narrow(3, 0, HEAD_DIM),
-                    &scale,
-                    &cos,
-                    &sin,
-                )?;
-                // k: contiguous.
-                let k = random(
-                    &mut rng,
-                    &[batch, seq_len, KV_HEADS, HEAD_DIM],
-                    -3.0,
-                    3.0,
-                    dtype,
-                )?;
-                rope_check(
-                    &format!("offset_rms_norm_rope k [{batch}, {seq_len}] R {rotary} {dtype:?}"),
-                    &k,
-                    |k| Ok(k.clone()),
-                    &scale,
-                    &cos,
-                    &sin,
-                )?;
-            }
-        }
-    }
-    Ok(())
+    let cases = pairs(&[(1, 1), (4, 1), (1, 37), (4, 37)], &ALL_DTYPES);
+    sweep_seeds(
+        2400,
+        cases,
+        &[ROTARY, HEAD_DIM],
+        |seed, ((batch, seq_len), dtype), rotary| {
+            let mut rng = Rng::new(seed);
+            let offsets: Vec<usize> = (0..batch).map(|b| 1000 * b + 3).collect();
+            let params = RopeParams {
+                tables: rope_tables(&offsets, seq_len, rotary, dtype)?,
+                scale: random(&mut rng, &[HEAD_DIM], 0.5, 1.5, DType::F32)?,
+            };
+            // q: the first half of each head of the interleaved q | gate
+            // projection, read in place (rows 2 * HEAD_DIM apart).
+            let q2 = random(
+                &mut rng,
+                &[batch, seq_len, HEADS, 2 * HEAD_DIM],
+                -3.0,
+                3.0,
+                dtype,
+            )?;
+            params.check(
+                &format!("offset_rms_norm_rope q [{batch}, {seq_len}] R {rotary} {dtype:?}"),
+                &q2,
+                |q2| q2.narrow(3, 0, HEAD_DIM),
+            )?;
+            // k: contiguous.
+            let k = random(
+                &mut rng,
+                &[batch, seq_len, KV_HEADS, HEAD_DIM],
+                -3.0,
+                3.0,
+                dtype,
+            )?;
+            params.check(
+                &format!("offset_rms_norm_rope k [{batch}, {seq_len}] R {rotary} {dtype:?}"),
+                &k,
+                |k| Ok(k.clone()),
+            )
+        },
+    )
 }
 
 #[test]
@@ -1753,42 +1746,34 @@ fn offset_norm_rope_matches_cpu_at_odd_shapes_and_layouts() -> Result<()> {
     // contiguous tensor (read in place at its start offset), and head dims
     // of one to eight warps per row with a single rotated pair.
     let x = random(&mut rng, &[2, HEADS, 5, HEAD_DIM], -3.0, 3.0, DType::BF16)?;
-    let scale = random(&mut rng, &[HEAD_DIM], 0.5, 1.5, DType::F32)?;
-    let (cos, sin) = rope_tables(&[7, 70_000], 5, ROTARY, DType::BF16)?;
-    rope_check(
-        "offset_rms_norm_rope transposed view",
-        &x,
-        |x| x.transpose(1, 2),
-        &scale,
-        &cos,
-        &sin,
-    )?;
-    let (cos, sin) = rope_tables(&[0], 4, ROTARY, DType::BF16)?;
+    let params = RopeParams {
+        scale: random(&mut rng, &[HEAD_DIM], 0.5, 1.5, DType::F32)?,
+        tables: rope_tables(&[7, 70_000], 5, ROTARY, DType::BF16)?,
+    };
+    params.check("offset_rms_norm_rope transposed view", &x, |x| {
+        x.transpose(1, 2)
+    })?;
+    let params = RopeParams {
+        tables: rope_tables(&[0], 4, ROTARY, DType::BF16)?,
+        ..params
+    };
     let row_range = |x: &Tensor| {
         x.reshape((2 * HEADS * 5, HEAD_DIM))?
             .narrow(0, 9, 12)?
             .reshape((1, 4, 3, HEAD_DIM))
     };
-    rope_check(
-        "offset_rms_norm_rope start offset",
-        &x,
-        row_range,
-        &scale,
-        &cos,
-        &sin,
-    )?;
+    params.check("offset_rms_norm_rope start offset", &x, row_range)?;
     for width in [2, 24, 257, 513, 1025] {
         for dtype in [DType::F32, DType::BF16] {
             let x2 = random(&mut rng, &[3, 2, 5, 2 * width], -3.0, 3.0, dtype)?;
-            let scale = random(&mut rng, &[width], 0.5, 1.5, DType::F32)?;
-            let (cos, sin) = rope_tables(&[1, 2, 3], 2, 2, dtype)?;
-            rope_check(
+            let params = RopeParams {
+                scale: random(&mut rng, &[width], 0.5, 1.5, DType::F32)?,
+                tables: rope_tables(&[1, 2, 3], 2, 2, dtype)?,
+            };
+            params.check(
                 &format!("offset_rms_norm_rope width {width} {dtype:?}"),
                 &x2,
                 |x2| x2.narrow(3, width, width),
-                &scale,
-                &cos,
-                &sin,
             )?;
         }
     }
@@ -1874,14 +1859,9 @@ fn moe_experts_case(seed: u64, tokens: usize, dims: [usize; 4], dtype: DType) ->
 /// several tokens per expert and groups of 8 tokens).
 #[test]
 fn moe_experts_matches_cpu_at_model_widths() -> Result<()> {
-    let mut seed = 2500;
-    for tokens in [1, 8, 32] {
-        for dtype in [DType::F32, DType::BF16, DType::F16] {
-            seed += 1;
-            moe_experts_case(seed, tokens, [16, TOP_K, HIDDEN, MOE_INTERMEDIATE], dtype)?;
-        }
-    }
-    Ok(())
+    sweep_seeds(2500, [1, 8, 32], &ALL_DTYPES, |seed, tokens, dtype| {
+        moe_experts_case(seed, tokens, [16, TOP_K, HIDDEN, MOE_INTERMEDIATE], dtype)
+    })
 }
 
 /// Widths that are no multiple of the 16-byte vectors (the scalar path), and
@@ -1900,11 +1880,9 @@ fn moe_experts_matches_cpu_at_odd_sizes() -> Result<()> {
 /// GEMMs before the same combine; at model widths and at odd ones.
 #[test]
 fn moe_experts_grouped_gemms_match_cpu() -> Result<()> {
-    let mut seed = 2650;
-    for dtype in [DType::F32, DType::BF16, DType::F16] {
-        seed += 1;
-        moe_experts_case(seed, 80, [16, TOP_K, HIDDEN, MOE_INTERMEDIATE], dtype)?;
-    }
+    sweep_seeds(2650, [80], &ALL_DTYPES, |seed, tokens, dtype| {
+        moe_experts_case(seed, tokens, [16, TOP_K, HIDDEN, MOE_INTERMEDIATE], dtype)
+    })?;
     moe_experts_case(2660, 200, [7, 3, 40, 13], DType::BF16)?;
     Ok(())
 }
@@ -1921,22 +1899,14 @@ fn moe_experts_grouped_gemms_match_cpu() -> Result<()> {
 #[test]
 fn conv_in_pool_matches_cpu_at_model_shapes() -> Result<()> {
     let dev = gpu();
-    let widths = [HK * DK, HK * DK, HV * DV];
-    let mut seed = 2700;
-    for (batch, seq_len) in [(1, 1), (8, 1), (1, 200)] {
-        for dtype in [DType::F32, DType::BF16] {
-            seed += 1;
-            let mut rng = Rng::new(seed);
-            let slots = scattered_slots(&mut rng, batch, POOL_ROWS);
-            let x = random(&mut rng, &[batch, seq_len, CONV_DIM], -2.0, 2.0, dtype)?;
-            let weight = random(&mut rng, &[CONV_DIM, CONV_K], -0.6, 0.6, DType::F32)?;
-            let pool = random(
-                &mut rng,
-                &[POOL_ROWS, CONV_DIM, CONV_K],
-                -2.0,
-                2.0,
-                DType::F32,
-            )?;
+    sweep(
+        2700,
+        CONV_MODEL_CALLS,
+        &F32_BF16,
+        |rng, (batch, seq_len), dtype| {
+            let slots = scattered_slots(rng, batch, POOL_ROWS);
+            let (x, weight) = conv_model_inputs(rng, (batch, seq_len), dtype)?;
+            let pool = random(rng, &[POOL_ROWS, CONV_DIM, CONV_K], -2.0, 2.0, DType::F32)?;
             let what = format!(
                 "causal_conv1d_split_in_pool B={batch} T={seq_len} {dtype:?} slots {:?}",
                 &slots[..slots.len().min(4)]
@@ -1951,7 +1921,7 @@ fn conv_in_pool_matches_cpu_at_model_shapes() -> Result<()> {
                     slots: &Tensor::new(slots.as_slice(), &Device::Cpu)?,
                     host_slots: &slots,
                 },
-                &widths,
+                &CONV_WIDTHS,
             )?;
             let pool_gpu = to_gpu(&pool, &dev)?;
             let parts_cuda = causal_conv1d_split_in_pool(
@@ -1962,13 +1932,12 @@ fn conv_in_pool_matches_cpu_at_model_shapes() -> Result<()> {
                     slots: &Tensor::new(slots.as_slice(), &dev)?,
                     host_slots: &slots,
                 },
-                &widths,
+                &CONV_WIDTHS,
             )?;
 
-            assert_eq!(parts_cuda.len(), widths.len(), "{what}");
+            assert_eq!(parts_cuda.len(), CONV_WIDTHS.len(), "{what}");
             compare_parts(&what, &parts_cuda, &parts_cpu, output_tol(dtype))?;
-            identical(&format!("{what} pool"), &pool_gpu, &pool_cpu)?;
-        }
-    }
-    Ok(())
+            identical(&format!("{what} pool"), &pool_gpu, &pool_cpu)
+        },
+    )
 }

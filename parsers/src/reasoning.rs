@@ -157,6 +157,19 @@ mod tests {
         }
     }
 
+    /// The deltas of pushing `chunks` into `parser`, in order.
+    fn push_all(parser: &mut ReasoningParser, chunks: &[&str]) -> Vec<ReasoningDelta> {
+        chunks.iter().flat_map(|chunk| parser.push(chunk)).collect()
+    }
+
+    fn reasoning(text: &str) -> ReasoningDelta {
+        ReasoningDelta::Reasoning(text.to_owned())
+    }
+
+    fn content(text: &str) -> ReasoningDelta {
+        ReasoningDelta::Content(text.to_owned())
+    }
+
     #[test]
     fn explicit_think_block() {
         assert_eq!(
@@ -221,37 +234,34 @@ mod tests {
     #[test]
     fn streaming_with_tags_split_across_chunks() {
         let mut parser = ReasoningParser::new(true);
-        let mut deltas = Vec::new();
-        for chunk in ["Plan the ", "answer.</th", "ink>The answer", " is 42."] {
-            deltas.extend(parser.push(chunk));
-        }
+        let chunks = ["Plan the ", "answer.</th", "ink>The answer", " is 42."];
+        let mut deltas = push_all(&mut parser, &chunks);
         assert!(!parser.in_reasoning());
         deltas.extend(parser.finish());
-        assert_eq!(
-            deltas,
-            vec![
-                ReasoningDelta::Reasoning("Plan the ".to_owned()),
-                ReasoningDelta::Reasoning("answer.".to_owned()),
-                ReasoningDelta::Content("The answer".to_owned()),
-                ReasoningDelta::Content(" is 42.".to_owned()),
-            ]
-        );
+        let expected = [
+            reasoning("Plan the "),
+            reasoning("answer."),
+            content("The answer"),
+            content(" is 42."),
+        ];
+        assert_eq!(deltas, expected);
     }
 
     #[test]
     fn think_end_and_tool_call_in_one_chunk_do_not_leak_into_reasoning() {
         let mut parser = ReasoningParser::new(true);
-        let mut deltas = parser.push("Let me check the forecast.");
-        deltas.extend(parser.push("</think><tool_call>"));
-        deltas.extend(parser.push("<function=get_weather>"));
+        let chunks = [
+            "Let me check the forecast.",
+            "</think><tool_call>",
+            "<function=get_weather>",
+        ];
+        let mut deltas = push_all(&mut parser, &chunks);
         deltas.extend(parser.finish());
-        assert_eq!(
-            deltas,
-            vec![
-                ReasoningDelta::Reasoning("Let me check the forecast.".to_owned()),
-                ReasoningDelta::Content("<tool_call>".to_owned()),
-                ReasoningDelta::Content("<function=get_weather>".to_owned()),
-            ]
-        );
+        let expected = [
+            reasoning("Let me check the forecast."),
+            content("<tool_call>"),
+            content("<function=get_weather>"),
+        ];
+        assert_eq!(deltas, expected);
     }
 }

@@ -489,22 +489,17 @@ mod tests {
     fn the_documented_invocations_parse() {
         assert!(matches!(parse(&["prepare"]), Ok(Cmd::Prepare)));
         assert!(matches!(parse(&["test"]), Ok(Cmd::Test)));
-        assert!(matches!(
-            parse(&["build"]),
-            Ok(Cmd::Build(BuildOptions { cuda: false }))
-        ));
-        assert!(matches!(
-            parse(&["build", "--cuda"]),
-            Ok(Cmd::Build(BuildOptions { cuda: true }))
-        ));
-        assert!(matches!(
-            parse(&["install"]),
-            Ok(Cmd::Install(BuildOptions { cuda: false }))
-        ));
-        assert!(matches!(
-            parse(&["install", "--cuda"]),
-            Ok(Cmd::Install(BuildOptions { cuda: true }))
-        ));
+        for (args, cuda) in [(&["build"][..], false), (&["build", "--cuda"][..], true)] {
+            let parsed = parse(args);
+            assert!(matches!(parsed, Ok(Cmd::Build(BuildOptions { cuda: c })) if c == cuda));
+        }
+        for (args, cuda) in [
+            (&["install"][..], false),
+            (&["install", "--cuda"][..], true),
+        ] {
+            let parsed = parse(args);
+            assert!(matches!(parsed, Ok(Cmd::Install(BuildOptions { cuda: c })) if c == cuda));
+        }
 
         let Ok(Cmd::Serve(serve)) = parse(&["serve"]) else {
             panic!("serve")
@@ -561,20 +556,11 @@ mod tests {
             &[],
             &["--tiny", "--", "x"],
         ] {
-            let mut align = vec!["align"];
-            align.extend(args);
-            assert_eq!(
-                tool_args(parse(&align).unwrap()),
-                strings(args),
-                "{align:?}"
-            );
-            let mut bench = vec!["bench"];
-            bench.extend(args);
-            assert_eq!(
-                tool_args(parse(&bench).unwrap()),
-                strings(args),
-                "{bench:?}"
-            );
+            for command in ["align", "bench"] {
+                let mut line = vec![command];
+                line.extend(args);
+                assert_eq!(tool_args(parse(&line).unwrap()), strings(args), "{line:?}");
+            }
         }
         let bench = [
             "bench",

@@ -2,43 +2,22 @@
 //! copy of the sources with one anchor line altered fails with a message that
 //! names the edit and the host version.
 
+mod common;
+
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 
-use xtask::host::{pristine_sources, Repo};
-use xtask::seam::{self, Seam};
-
-fn copy_tree(from: &Path, to: &Path) {
-    for entry in std::fs::read_dir(from).expect("read pristine") {
-        let entry = entry.expect("entry");
-        let target = to.join(entry.file_name());
-        if entry.file_type().expect("type").is_dir() {
-            std::fs::create_dir_all(&target).expect("mkdir");
-            copy_tree(&entry.path(), &target);
-        } else {
-            std::fs::copy(entry.path(), &target).expect("copy");
-        }
-    }
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("berrylm-seam-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("scratch dir");
-    dir
-}
+use common::{copy_tree, pinned_host, scratch};
+use xtask::seam;
 
 #[test]
 fn the_seam_applies_to_the_pinned_host_and_reapplying_writes_nothing() {
-    let repo = Repo::locate().expect("repo");
-    let seam = Seam::load(&repo.seam_file()).expect("seam.toml");
-    let pristine = pristine_sources(&repo, &seam).expect("pristine sources");
-    let out = scratch("apply");
-    let seam_dir = repo.seam_file().parent().expect("host/").to_path_buf();
-    let first = seam::apply(&seam, &seam_dir, &pristine, &out).expect("seam applies");
+    let host = pinned_host();
+    let (seam, seam_dir, pristine) = (&host.seam, &host.seam_dir, &host.pristine);
+    let out = scratch("seam", "apply");
+    let first = seam::apply(seam, seam_dir, pristine, &out).expect("seam applies");
     assert_eq!(first.edits_applied, seam.edits.len());
     assert!(first.files_written > 0);
-    let second = seam::apply(&seam, &seam_dir, &pristine, &out).expect("seam re-applies");
+    let second = seam::apply(seam, seam_dir, pristine, &out).expect("seam re-applies");
     assert_eq!(second.files_written, 0, "re-applying rewrote files");
     let lib = std::fs::read_to_string(out.join("mistralrs-core/src/lib.rs")).expect("lib.rs");
     assert!(lib.contains("pub mod plugin_api;"));
@@ -47,17 +26,14 @@ fn the_seam_applies_to_the_pinned_host_and_reapplying_writes_nothing() {
 
 #[test]
 fn an_altered_anchor_line_names_the_edit_and_the_host_version() {
-    let repo = Repo::locate().expect("repo");
-    let seam = Seam::load(&repo.seam_file()).expect("seam.toml");
-    let pristine = pristine_sources(&repo, &seam).expect("pristine sources");
+    let host = pinned_host();
 
     // A copy of the host sources in which one anchor line was changed, as a
     // new host release would change it.
-    let altered_root = scratch("altered");
+    let altered_root = scratch("seam", "altered");
     let mut altered = BTreeMap::new();
-    for (name, path) in &pristine {
+    for (name, path) in &host.pristine {
         let copy = altered_root.join(name);
-        std::fs::create_dir_all(&copy).expect("mkdir");
         copy_tree(path, &copy);
         altered.insert(name.clone(), copy);
     }
@@ -70,9 +46,8 @@ fn an_altered_anchor_line_names_the_edit_and_the_host_version() {
     )
     .expect("alter lib.rs");
 
-    let out = scratch("altered-out");
-    let seam_dir = repo.seam_file().parent().expect("host/").to_path_buf();
-    let error = seam::apply(&seam, &seam_dir, &altered, &out)
+    let out = scratch("seam", "altered-out");
+    let error = seam::apply(&host.seam, &host.seam_dir, &altered, &out)
         .expect_err("the seam must not apply to altered sources")
         .to_string();
     assert!(error.contains("mistralrs-core 0.8.1"), "{error}");

@@ -2,32 +2,13 @@
 //! series, applied in order with `patch -p1` to a copy of the pristine crates,
 //! gives exactly what `cargo xtask prepare` writes, file for file, byte for byte.
 
-use std::path::{Path, PathBuf};
+mod common;
+
 use std::process::Command;
 
-use xtask::host::{pristine_sources, Repo};
-use xtask::seam::{self, Seam};
-use xtask::series;
-
-fn copy_tree(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).expect("mkdir");
-    for entry in std::fs::read_dir(from).expect("read pristine") {
-        let entry = entry.expect("entry");
-        let target = to.join(entry.file_name());
-        if entry.file_type().expect("type").is_dir() {
-            copy_tree(&entry.path(), &target);
-        } else {
-            std::fs::copy(entry.path(), &target).expect("copy");
-        }
-    }
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("berrylm-series-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("scratch dir");
-    dir
-}
+use common::{copy_tree, pinned_host, scratch};
+use xtask::host::Repo;
+use xtask::{seam, series};
 
 /// GNU patch (or another `patch`) on PATH.
 fn patch_available() -> bool {
@@ -47,15 +28,14 @@ fn the_patch_series_applied_in_order_gives_what_prepare_writes() {
         return;
     }
     let repo = Repo::locate().expect("repo");
-    let seam_file = repo.seam_file();
-    let seam = Seam::load(&seam_file).expect("seam.toml");
-    let seam_text = std::fs::read_to_string(&seam_file).expect("seam.toml");
+    let host = pinned_host();
+    let (seam, pristine) = (&host.seam, &host.pristine);
+    let seam_text = std::fs::read_to_string(repo.seam_file()).expect("seam.toml");
     let groups = series::groups(&seam_text, seam.edits.len()).expect("groups");
-    let pristine = pristine_sources(&repo, &seam).expect("pristine sources");
 
     // The series, written by the command's own function into a folder that
     // already holds a stale patch of an earlier series and a file of the user's.
-    let series_dir = scratch("patches");
+    let series_dir = scratch("series", "patches");
     std::fs::write(series_dir.join("0099-stale.patch"), "stale").expect("stale patch");
     std::fs::write(series_dir.join("notes.txt"), "mine").expect("user file");
     let written = series::write(&repo, &series_dir).expect("the series is written");
@@ -87,8 +67,8 @@ fn the_patch_series_applied_in_order_gives_what_prepare_writes() {
     }
 
     // The pristine crates, laid out as .host/ is, patched in order.
-    let patched = scratch("patched");
-    for (name, path) in &pristine {
+    let patched = scratch("series", "patched");
+    for (name, path) in pristine {
         copy_tree(path, &patched.join(name));
     }
     for path in &written {
@@ -118,9 +98,8 @@ fn the_patch_series_applied_in_order_gives_what_prepare_writes() {
     }
 
     // What `cargo xtask prepare` writes (the same function, another folder).
-    let prepared = scratch("prepared");
-    let seam_dir = seam_file.parent().expect("host/");
-    seam::apply(&seam, seam_dir, &pristine, &prepared).expect("the seam applies");
+    let prepared = scratch("series", "prepared");
+    seam::apply(seam, &host.seam_dir, pristine, &prepared).expect("the seam applies");
 
     let patched_files = seam::read_tree(&patched).expect("read patched");
     let prepared_files = seam::read_tree(&prepared).expect("read prepared");

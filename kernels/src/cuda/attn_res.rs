@@ -65,7 +65,7 @@ pub(crate) fn attn_res_mix(
     let out = launch.output(&[tokens, hidden], out_dtype)?;
     let outputs = launch.run(|p| {
         let addresses = p.inputs(&sources);
-        // SAFETY: as in `kda_gate`; `addresses` lives across the call.
+        // SAFETY: as in `run_kernel!`; `addresses` lives across the call.
         Ok(unsafe {
             berrylm_attn_res_mix(
                 dtype_code(OP, src_dtype)?,

@@ -371,6 +371,25 @@ constexpr int kLdS = kBV + 8;
 constexpr size_t kStateSmem = sizeof(float) * (2 * kGroupA + kGroupB + (kKP + kL) * kLdS);
 static_assert(kStateSmem <= 227 * 1024, "the H200's shared memory per block");
 
+// Calls f(mt, nt, reg, c, e) for every register s[mt][nt][reg] of a warp's
+// state fragments (m16n8 C fragments: 2 row tiles of 16, 4 column tiles of
+// 8): the register holds row c of the state tile (the warp's 32 rows from
+// 32 warp) and its column e.
+template <typename F>
+__device__ __forceinline__ void for_each_state_register(int warp, int g8, int t4, F f) {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+            for (int reg = 0; reg < 4; ++reg) {
+                f(mt, nt, reg, 32 * warp + 16 * mt + g8 + 8 * (reg >> 1),
+                  8 * nt + 2 * t4 + (reg & 1));
+            }
+        }
+    }
+}
+
 __global__ void __launch_bounds__(kStateThreads)
     kda_chunk_state_tc(const RecurrenceArgs args, const float* __restrict__ scratch,
                        int num_chunks) {
@@ -413,22 +432,13 @@ __global__ void __launch_bounds__(kStateThreads)
     if (row < 0) return;  // the whole block: before any barrier or cp.async
     const long long state_base = (row * hv + h) * dk * dv;
     float s[2][4][4];
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-            for (int reg = 0; reg < 4; ++reg) {
-                const int c = 32 * warp + 16 * mt + g8 + 8 * (reg >> 1);
-                const int e = 8 * nt + 2 * t4 + (reg & 1);
-                const int col = col0 + e;
-                s[mt][nt][reg] = (c < dk && col < dv)
-                                     ? args.state_in[state_base + static_cast<long long>(c) * dv + col]
-                                     : 0.0f;
-                sS[c][e] = tf32(s[mt][nt][reg]);
-            }
-        }
-    }
+    for_each_state_register(warp, g8, t4, [&](int mt, int nt, int reg, int c, int e) {
+        const int col = col0 + e;
+        s[mt][nt][reg] = (c < dk && col < dv)
+                             ? args.state_in[state_base + static_cast<long long>(c) * dv + col]
+                             : 0.0f;
+        sS[c][e] = tf32(s[mt][nt][reg]);
+    });
 
     // Commit order: A(0), B(0), then per chunk n: A(n + 1) before phase A
     // (into the other buffer; a whole chunk to land), B(n + 1) after phase
@@ -532,37 +542,20 @@ __global__ void __launch_bounds__(kStateThreads)
                 for (int nt = 0; nt < 4; ++nt) mma_tf32(s[mt][nt], aa, bb[nt]);
             }
         }
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-                for (int reg = 0; reg < 4; ++reg) {
-                    const int c = 32 * warp + 16 * mt + g8 + 8 * (reg >> 1);
-                    sS[c][8 * nt + 2 * t4 + (reg & 1)] = tf32(s[mt][nt][reg]);
-                }
-            }
-        }
+        for_each_state_register(warp, g8, t4, [&](int mt, int nt, int reg, int c, int e) {
+            sS[c][e] = tf32(s[mt][nt][reg]);
+        });
         __syncthreads();  // S complete; group B's buffer free
         if (n + 1 < num_chunks) copy_b(n + 1);
         cp_async_commit();
     }
 
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-            for (int reg = 0; reg < 4; ++reg) {
-                const int c = 32 * warp + 16 * mt + g8 + 8 * (reg >> 1);
-                const int col = col0 + 8 * nt + 2 * t4 + (reg & 1);
-                if (c < dk && col < dv) {
-                    args.state_out[state_base + static_cast<long long>(c) * dv + col] =
-                        s[mt][nt][reg];
-                }
-            }
+    for_each_state_register(warp, g8, t4, [&](int mt, int nt, int reg, int c, int e) {
+        const int col = col0 + e;
+        if (c < dk && col < dv) {
+            args.state_out[state_base + static_cast<long long>(c) * dv + col] = s[mt][nt][reg];
         }
-    }
+    });
 }
 
 template <typename T>

@@ -48,7 +48,7 @@ pub(crate) fn causal_conv1d(
     let new_state = launch.output(&[dims.batch, dims.channels, dims.kernel_size], state_dtype)?;
     let state_dtype = dtype_code(OP, state_dtype)?;
     let outputs = launch.run(|p| {
-        // SAFETY: as in `kda_gate`; sequence `b` reads row `b` of `state`
+        // SAFETY: as in `run_kernel!`; sequence `b` reads row `b` of `state`
         // and writes row `b` of `new_state` (no slots: `B` rows).
         Ok(unsafe {
             call.launch(
@@ -86,7 +86,7 @@ pub(crate) fn causal_conv1d_in_pool(
     let pool_dtype = dtype_code(OP, pool.states.dtype())?;
     let pool_rows = c_size(OP, "pool", pool.states.dim(0)?)?;
     let outputs = launch.run(|p| {
-        // SAFETY: as in `kda_gate`; the pool is `pool_rows` contiguous rows
+        // SAFETY: as in `run_kernel!`; the pool is `pool_rows` contiguous rows
         // of `C * K` elements of its dtype from `p.pool()`, read and written
         // in place, and the kernels touch only rows `slots[b] < pool_rows`.
         Ok(unsafe { call.launch(p, pool_dtype, p.pool(), p.pool(), p.input(slots), pool_rows) })

@@ -45,26 +45,13 @@ pub(crate) fn kda_gate(args: &KdaGateArgs<'_>) -> Result<Tensor> {
         Some(bound) => (1, bound),
         None => (0, 0.0),
     };
-    let outputs = launch.run(|p| {
-        // SAFETY (every binding's): `p` addresses contiguous device buffers
-        // of the sizes the kernel reads and writes (derived from the sizes
-        // passed), live until the launch is queued on the stream passed.
-        Ok(unsafe {
-            berrylm_kda_gate(
-                dtype_code(OP, raw_dtype)?,
-                p.input(raw),
-                p.input(a_log),
-                p.input(dt_bias),
-                p.output(out),
-                args.tokens as i64,
-                c_size(OP, "raw", args.num_heads * args.head_dim)?,
-                c_size(OP, "raw", args.head_dim)?,
-                has_lb,
-                lb,
-                p.stream(),
-            )
-        })
-    })?;
+    let outputs = run_kernel!(launch => berrylm_kda_gate(
+        dtype(raw_dtype), input(raw), input(a_log), input(dt_bias), output(out),
+        args.tokens as i64,
+        c_size(OP, "raw", args.num_heads * args.head_dim)?,
+        c_size(OP, "raw", args.head_dim)?,
+        has_lb, lb
+    ))?;
     Ok(outputs.tensor(out))
 }
 
@@ -77,17 +64,8 @@ pub(crate) fn kda_beta(b: &Tensor) -> Result<Tensor> {
     let shape = launch.shape(b).clone();
     let total = shape.elem_count() as i64;
     let out = launch.output(shape, DType::F32)?;
-    let outputs = launch.run(|p| {
-        // SAFETY: as in `kda_gate`.
-        Ok(unsafe {
-            berrylm_kda_beta(
-                dtype_code(OP, b_dtype)?,
-                p.input(b),
-                p.output(out),
-                total,
-                p.stream(),
-            )
-        })
-    })?;
+    let outputs = run_kernel!(launch => berrylm_kda_beta(
+        dtype(b_dtype), input(b), output(out), total
+    ))?;
     Ok(outputs.tensor(out))
 }

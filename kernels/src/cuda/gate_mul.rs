@@ -37,22 +37,11 @@ pub(crate) fn sigmoid_gate_mul(x: &Tensor, gate: &Tensor, dims: &[usize; 4]) -> 
     let [batch, seq_len, heads, width] = *dims;
     let rows = batch * seq_len * heads;
     let out = launch.output(dims, dtype)?;
-    let outputs = launch.run(|p| {
-        // SAFETY: as in `kda_gate`; `gate` is read as `rows` rows of `width`
-        // elements, `gate_stride` elements apart from its first element,
-        // which its layout spans.
-        Ok(unsafe {
-            berrylm_sigmoid_gate_mul(
-                dtype_code(OP, dtype)?,
-                p.input(x),
-                p.input(gate),
-                gate_stride as i64,
-                p.output(out),
-                rows as i64,
-                c_size(OP, "x", width)?,
-                p.stream(),
-            )
-        })
-    })?;
+    // SAFETY (with `run_kernel!`'s): `gate` is read as `rows` rows of `width` elements, `gate_stride`
+    // elements apart from its first element, which its layout spans.
+    let outputs = run_kernel!(launch => berrylm_sigmoid_gate_mul(
+        dtype(dtype), input(x), input(gate), gate_stride as i64, output(out),
+        rows as i64, c_size(OP, "x", width)?
+    ))?;
     Ok(outputs.tensor(out))
 }

@@ -41,19 +41,10 @@ pub(crate) fn swiglu(gate_up: &Tensor, intermediate: usize, out_dims: &[usize]) 
     let dtype = launch.dtype(gate_up);
     let out = launch.output(out_dims, dtype)?;
     let rows = out_dims.iter().product::<usize>() / intermediate;
-    let outputs = launch.run(|p| {
-        // SAFETY: as in `kda_gate`.
-        Ok(unsafe {
-            berrylm_swiglu(
-                dtype_code(OP, dtype)?,
-                p.input(gate_up),
-                p.output(out),
-                rows as i64,
-                c_size(OP, "gate_up", intermediate)?,
-                p.stream(),
-            )
-        })
-    })?;
+    let outputs = run_kernel!(launch => berrylm_swiglu(
+        dtype(dtype), input(gate_up), output(out),
+        rows as i64, c_size(OP, "gate_up", intermediate)?
+    ))?;
     Ok(outputs.tensor(out))
 }
 
@@ -70,21 +61,9 @@ pub(crate) fn add_moe_output(args: &AddMoeOutputArgs<'_>) -> Result<Tensor> {
     let shape = launch.shape(residual).clone();
     let rows = shape.elem_count() / hidden.max(1);
     let out = launch.output(shape, dtype)?;
-    let outputs = launch.run(|p| {
-        // SAFETY: as in `kda_gate`.
-        Ok(unsafe {
-            berrylm_add_moe_output(
-                dtype_code(OP, dtype)?,
-                p.input(residual),
-                p.input(routed),
-                p.input(shared),
-                p.input(gate_logit),
-                p.output(out),
-                rows as i64,
-                c_size(OP, "residual", hidden)?,
-                p.stream(),
-            )
-        })
-    })?;
+    let outputs = run_kernel!(launch => berrylm_add_moe_output(
+        dtype(dtype), input(residual), input(routed), input(shared), input(gate_logit),
+        output(out), rows as i64, c_size(OP, "residual", hidden)?
+    ))?;
     Ok(outputs.tensor(out))
 }

@@ -11,7 +11,8 @@
 //!
 //! A binding reads: check the CUDA-only limits, declare the inputs and
 //! outputs on a [`Launch`], and [`Launch::run`] a closure that makes the FFI
-//! call with the typed device addresses [`Args`] hands it.
+//! call with the typed device addresses [`Args`] hands it (`run_kernel!`
+//! writes that closure for the usual call).
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::Arc;
@@ -27,6 +28,49 @@ use candle_core::{
 };
 
 use crate::{invalid_argument, unsupported_device, KernelError, Result};
+
+/// [`Launch::run`]s `$launch` with the FFI call `$launcher(args.., stream)`,
+/// the usual call of a binding: each argument is
+/// - `dtype(d)`: the kernels' code of the dtype `d` ([`dtype_code`]),
+/// - `input(i)` or `output(o)`: the device address of the input `i` or the
+///   output `o` declared on `$launch` ([`Args::input`], [`Args::output`]),
+/// - any other expression, passed as it is (it may use `?`);
+///
+/// and candle's stream ([`Args::stream`]) is passed last. Returns what
+/// [`Launch::run`] returns. A binding whose call needs more (an array of
+/// addresses, a pool, an optional buffer) calls [`Launch::run`] itself.
+macro_rules! run_kernel {
+    ($launch:ident => $launcher:ident($($args:tt)*)) => {{
+        let op = $launch.op;
+        $launch.run(|p| {
+            // SAFETY (every binding's): `p` addresses contiguous device
+            // buffers of the sizes the kernel reads and writes (derived from
+            // the sizes passed), live until the launch is queued on the
+            // stream passed.
+            Ok(unsafe { run_kernel!(@call p, op, $launcher, [] $($args)*) })
+        })
+    }};
+    (@call $p:ident, $op:ident, $launcher:ident, [$($done:expr),*]
+        dtype($dtype:expr) $(, $($rest:tt)*)?) => {
+        run_kernel!(@call $p, $op, $launcher, [$($done,)* dtype_code($op, $dtype)?]
+            $($($rest)*)?)
+    };
+    (@call $p:ident, $op:ident, $launcher:ident, [$($done:expr),*]
+        input($input:expr) $(, $($rest:tt)*)?) => {
+        run_kernel!(@call $p, $op, $launcher, [$($done,)* $p.input($input)] $($($rest)*)?)
+    };
+    (@call $p:ident, $op:ident, $launcher:ident, [$($done:expr),*]
+        output($output:expr) $(, $($rest:tt)*)?) => {
+        run_kernel!(@call $p, $op, $launcher, [$($done,)* $p.output($output)] $($($rest)*)?)
+    };
+    (@call $p:ident, $op:ident, $launcher:ident, [$($done:expr),*]
+        $value:expr $(, $($rest:tt)*)?) => {
+        run_kernel!(@call $p, $op, $launcher, [$($done,)* $value] $($($rest)*)?)
+    };
+    (@call $p:ident, $op:ident, $launcher:ident, [$($done:expr),*]) => {
+        $launcher($($done,)* $p.stream())
+    };
+}
 
 mod attn_res;
 mod conv;
@@ -44,7 +88,7 @@ pub(crate) use conv::{causal_conv1d, causal_conv1d_in_pool};
 pub(crate) use gate::{kda_beta, kda_gate};
 pub(crate) use gate_mul::sigmoid_gate_mul;
 pub(crate) use mlp::{add_moe_output, swiglu};
-pub(crate) use moe::{moe_experts, MoeDims};
+pub(crate) use moe::moe_experts;
 pub(crate) use norm::{gated_rms_norm, offset_rms_norm};
 pub(crate) use recurrence::{kda_recurrence, kda_recurrence_in_pool};
 pub(crate) use rope::offset_rms_norm_rope;

@@ -9,6 +9,7 @@ use candle_core::cuda_backend::cudarc::driver::DevicePtr;
 use candle_core::{DType, Tensor};
 
 use super::{c_size, dtype_code, Launch};
+use crate::moe::MoeExpertsArgs;
 use crate::{invalid_argument, KernelError, Result};
 
 const OP: &str = "moe_experts";
@@ -56,16 +57,7 @@ extern "C" {
     ) -> c_int;
 }
 
-/// Sizes of one `moe_experts` call.
-pub(crate) struct MoeDims {
-    pub tokens: usize,
-    pub top_k: usize,
-    pub experts: usize,
-    pub hidden: usize,
-    pub inter: usize,
-}
-
-impl MoeDims {
+impl MoeExpertsArgs<'_> {
     /// `[tokens, top_k, experts, hidden, inter]` as the launchers take them.
     fn c_sizes(&self) -> Result<[c_int; 5]> {
         Ok([
@@ -79,52 +71,28 @@ impl MoeDims {
 }
 
 /// CUDA `moe_experts`; arguments already validated by the caller.
-pub(crate) fn moe_experts(
-    x: &Tensor,
-    weights: &Tensor,
-    ids: &Tensor,
-    gate_up: &Tensor,
-    down: &Tensor,
-    dims: &MoeDims,
-) -> Result<Tensor> {
-    let routed = dims.tokens * dims.top_k;
+pub(crate) fn moe_experts(args: &MoeExpertsArgs<'_>) -> Result<Tensor> {
+    let routed = args.tokens * args.top_k;
     if routed > MOE_KERNEL_MAX_ROUTED_ROWS {
-        return moe_experts_grouped(x, weights, ids, gate_up, down, dims);
+        return moe_experts_grouped(args);
     }
-    let mut launch = Launch::new(OP, x)?;
-    let x = launch.input("x", x)?;
-    let weights = launch.input_as("weights", weights, DType::F32)?;
-    let ids = launch.input("ids", ids)?;
-    let gate_up = launch.input("gate_up", gate_up)?;
-    let down = launch.input("down", down)?;
+    let mut launch = Launch::new(OP, args.x)?;
+    let x = launch.input("x", args.x)?;
+    let weights = launch.input_as("weights", args.weights, DType::F32)?;
+    let ids = launch.input("ids", args.ids)?;
+    let gate_up = launch.input("gate_up", args.gate_up)?;
+    let down = launch.input("down", args.down)?;
     let dtype = launch.dtype(x);
     // Scratch: each routed row's `h` and expert output.
-    let h = launch.output(&[routed, dims.inter], dtype)?;
-    let expert_out = launch.output(&[routed, dims.hidden], dtype)?;
-    let y = launch.output(&[dims.tokens, dims.hidden], dtype)?;
-    let [tokens, top_k, experts, hidden, inter] = dims.c_sizes()?;
-    let outputs = launch.run(|p| {
-        // SAFETY: as in `kda_gate`.
-        Ok(unsafe {
-            berrylm_moe_experts(
-                dtype_code(OP, dtype)?,
-                p.input(x),
-                p.input(weights),
-                p.input(ids),
-                p.input(gate_up),
-                p.input(down),
-                p.output(h),
-                p.output(expert_out),
-                p.output(y),
-                tokens,
-                top_k,
-                experts,
-                hidden,
-                inter,
-                p.stream(),
-            )
-        })
-    })?;
+    let h = launch.output(&[routed, args.inter], dtype)?;
+    let expert_out = launch.output(&[routed, args.hidden], dtype)?;
+    let y = launch.output(&[args.tokens, args.hidden], dtype)?;
+    let [tokens, top_k, experts, hidden, inter] = args.c_sizes()?;
+    let outputs = run_kernel!(launch => berrylm_moe_experts(
+        dtype(dtype), input(x), input(weights), input(ids), input(gate_up), input(down),
+        output(h), output(expert_out), output(y),
+        tokens, top_k, experts, hidden, inter
+    ))?;
     Ok(outputs.tensor(y))
 }
 
@@ -187,31 +155,19 @@ impl ExpertGroups {
 /// `Linear` of the reference), SwiGLU in between with the reference's
 /// rounding, and `moe.cu`'s combine (the weighted terms added in increasing
 /// expert id).
-fn moe_experts_grouped(
-    x: &Tensor,
-    weights: &Tensor,
-    ids: &Tensor,
-    gate_up: &Tensor,
-    down: &Tensor,
-    dims: &MoeDims,
-) -> Result<Tensor> {
-    let host_ids: Vec<u32> = ids.flatten_all()?.to_vec1()?;
-    let grouped = ExpertGroups::new(&host_ids, dims.top_k, dims.experts)?;
-    let device = x.device();
+fn moe_experts_grouped(args: &MoeExpertsArgs<'_>) -> Result<Tensor> {
+    let host_ids: Vec<u32> = args.ids.flatten_all()?.to_vec1()?;
+    let grouped = ExpertGroups::new(&host_ids, args.top_k, args.experts)?;
+    let device = args.x.device();
     let routed = grouped.rows.len();
     let tokens = Tensor::from_vec(grouped.tokens, routed, device)?;
     let rows = Tensor::from_vec(grouped.rows, routed, device)?;
-    let x_rows = x.contiguous()?.index_select(&tokens, 0)?;
-    let projected = grouped_gemm(
-        &x_rows,
-        gate_up,
-        &grouped.groups,
-        2 * dims.inter,
-        dims.hidden,
-    )?;
+    let x_rows = args.x.contiguous()?.index_select(&tokens, 0)?;
+    let (gate_up, down, inter, hidden) = (args.gate_up, args.down, args.inter, args.hidden);
+    let projected = grouped_gemm(&x_rows, gate_up, &grouped.groups, 2 * inter, hidden)?;
     let h = crate::swiglu(&projected)?;
-    let expert_out = grouped_gemm(&h, down, &grouped.groups, dims.hidden, dims.inter)?;
-    combine(&expert_out, weights, ids, &rows, dims)
+    let expert_out = grouped_gemm(&h, down, &grouped.groups, hidden, inter)?;
+    combine(&expert_out, &rows, args)
 }
 
 /// `out[r] = W[e] a[r]` for every row `r` of every group `(e, first, rows)`:
@@ -328,39 +284,19 @@ fn error(reason: String) -> KernelError {
 }
 
 /// `moe.cu`'s combine over expert outputs grouped by expert (`rows` maps each
-/// routed row to its row of `expert_out`).
-fn combine(
-    expert_out: &Tensor,
-    weights: &Tensor,
-    ids: &Tensor,
-    rows: &Tensor,
-    dims: &MoeDims,
-) -> Result<Tensor> {
+/// routed row to its row of `expert_out`) with the weights and ids of `args`.
+fn combine(expert_out: &Tensor, rows: &Tensor, args: &MoeExpertsArgs<'_>) -> Result<Tensor> {
     let mut launch = Launch::new(OP, expert_out)?;
     let expert_out = launch.input("x", expert_out)?;
-    let weights = launch.input_as("weights", weights, DType::F32)?;
-    let ids = launch.input("ids", ids)?;
+    let weights = launch.input_as("weights", args.weights, DType::F32)?;
+    let ids = launch.input("ids", args.ids)?;
     let rows = launch.input("ids", rows)?;
     let dtype = launch.dtype(expert_out);
-    let y = launch.output(&[dims.tokens, dims.hidden], dtype)?;
-    let [tokens, top_k, experts, hidden, _] = dims.c_sizes()?;
-    let outputs = launch.run(|p| {
-        // SAFETY: as in `kda_gate`.
-        Ok(unsafe {
-            berrylm_moe_combine(
-                dtype_code(OP, dtype)?,
-                p.input(expert_out),
-                p.input(weights),
-                p.input(ids),
-                p.input(rows),
-                p.output(y),
-                tokens,
-                top_k,
-                experts,
-                hidden,
-                p.stream(),
-            )
-        })
-    })?;
+    let y = launch.output(&[args.tokens, args.hidden], dtype)?;
+    let [tokens, top_k, experts, hidden, _] = args.c_sizes()?;
+    let outputs = run_kernel!(launch => berrylm_moe_combine(
+        dtype(dtype), input(expert_out), input(weights), input(ids), input(rows), output(y),
+        tokens, top_k, experts, hidden
+    ))?;
     Ok(outputs.tensor(y))
 }

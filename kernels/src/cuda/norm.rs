@@ -54,23 +54,10 @@ pub(crate) fn gated_rms_norm(args: &GatedRmsNormArgs<'_>) -> Result<Tensor> {
     let z = launch.input_as("z", args.z, z_dtype)?;
     let weight = launch.input_as("weight", args.weight, DType::F32)?;
     let out = launch.output(&[rows, width], x_dtype)?;
-    let outputs = launch.run(|p| {
-        // SAFETY: as in `kda_gate`.
-        Ok(unsafe {
-            berrylm_gated_rms_norm(
-                dtype_code(OP, x_dtype)?,
-                dtype_code(OP, z_dtype)?,
-                p.input(x),
-                p.input(z),
-                p.input(weight),
-                p.output(out),
-                rows as i64,
-                c_size(OP, "x", width)?,
-                args.eps as f32,
-                p.stream(),
-            )
-        })
-    })?;
+    let outputs = run_kernel!(launch => berrylm_gated_rms_norm(
+        dtype(x_dtype), dtype(z_dtype), input(x), input(z), input(weight), output(out),
+        rows as i64, c_size(OP, "x", width)?, args.eps as f32
+    ))?;
     Ok(outputs.tensor(out))
 }
 
@@ -101,7 +88,7 @@ pub(crate) fn offset_rms_norm(
     let out = launch.output(&shape, x_dtype)?;
     let sum = delta.map(|_| launch.output(&shape, x_dtype)).transpose()?;
     let outputs = launch.run(|p| {
-        // SAFETY: as in `kda_gate`; `delta` and `sum_out` are null or
+        // SAFETY: as in `run_kernel!`; `delta` and `sum_out` are null or
         // buffers of the size of `x`.
         Ok(unsafe {
             berrylm_offset_rms_norm(

@@ -56,7 +56,7 @@ pub(crate) fn kda_recurrence(
     let new_state = launch.output(&state_shape, DType::F32)?;
     let state_rows = c_size(OP, "state", dims.batch)?;
     let outputs = launch.run(|p| {
-        // SAFETY: as in `kda_gate`; sequence `b` reads row `b` of `state`
+        // SAFETY: as in `run_kernel!`; sequence `b` reads row `b` of `state`
         // and writes row `b` of `new_state` (no slots: `B` rows).
         Ok(unsafe {
             call.launch(
@@ -88,7 +88,7 @@ pub(crate) fn kda_recurrence_in_pool(
     launch.in_pool(pool.states)?;
     let pool_rows = c_size(OP, "pool", pool_rows)?;
     let outputs = launch.run(|p| {
-        // SAFETY: as in `kda_gate`; the pool is `pool_rows` contiguous rows
+        // SAFETY: as in `run_kernel!`; the pool is `pool_rows` contiguous rows
         // of `Hv * dk * dv` f32 values from `p.pool()`, read and written in
         // place, and the kernels touch only rows `slots[b] < pool_rows`.
         Ok(unsafe { call.launch(p, p.pool(), p.pool(), p.input(slots), pool_rows) })
@@ -104,8 +104,8 @@ struct RecurrenceCall {
     /// q, k, v, g, beta.
     inputs: [In; 5],
     out: Out,
-    /// `B`, `T`, `Hk`, `Hv`, `dk`, `dv`.
-    sizes: [c_int; 6],
+    /// The sizes as the launcher takes them.
+    sizes: RecurrenceDims<c_int>,
     prefill_algorithm: c_int,
 }
 
@@ -140,14 +140,14 @@ impl RecurrenceCall {
             qkv_dtype: dtype_code(op, qkv_dtype)?,
             inputs,
             out: launch.output(&out_shape, DType::F32)?,
-            sizes: [
-                c_size(op, "q", dims.batch)?,
-                c_size(op, "q", dims.seq_len)?,
-                c_size(op, "q", dims.key_heads)?,
-                c_size(op, "v", dims.value_heads)?,
-                c_size(op, "q", dims.key_dim)?,
-                c_size(op, "v", dims.value_dim)?,
-            ],
+            sizes: RecurrenceDims {
+                batch: c_size(op, "q", dims.batch)?,
+                seq_len: c_size(op, "q", dims.seq_len)?,
+                key_heads: c_size(op, "q", dims.key_heads)?,
+                value_heads: c_size(op, "v", dims.value_heads)?,
+                key_dim: c_size(op, "q", dims.key_dim)?,
+                value_dim: c_size(op, "v", dims.value_dim)?,
+            },
             prefill_algorithm,
         })
     }
@@ -171,7 +171,7 @@ impl RecurrenceCall {
         state_rows: c_int,
     ) -> c_int {
         let [q, k, v, g, beta] = self.inputs;
-        let [batch, seq_len, key_heads, value_heads, key_dim, value_dim] = self.sizes;
+        let sizes = &self.sizes;
         berrylm_kda_recurrence(
             self.qkv_dtype,
             p.input(q),
@@ -184,12 +184,12 @@ impl RecurrenceCall {
             slots,
             state_rows,
             p.output(self.out),
-            batch,
-            seq_len,
-            key_heads,
-            value_heads,
-            key_dim,
-            value_dim,
+            sizes.batch,
+            sizes.seq_len,
+            sizes.key_heads,
+            sizes.value_heads,
+            sizes.key_dim,
+            sizes.value_dim,
             self.prefill_algorithm,
             p.stream(),
         )

@@ -50,22 +50,13 @@ pub(crate) fn moe_route(args: &MoeRouteArgs<'_>) -> Result<(Tensor, Tensor)> {
     let logits_dtype = launch.dtype(logits);
     let weights = launch.output(&[rows, top_k], DType::F32)?;
     let ids = launch.output(&[rows, top_k], DType::U32)?;
-    let outputs = launch.run(|p| {
-        // SAFETY: as in `kda_gate`.
-        Ok(unsafe {
-            berrylm_moe_route(
-                dtype_code(OP, logits_dtype)?,
-                p.input(logits),
-                p.output(weights),
-                p.output(ids),
-                rows as i64,
-                c_size(OP, "router_logits", experts)?,
-                c_size(OP, "top_k", top_k)?,
-                c_int::from(args.renormalize),
-                dtype_code(OP, args.weight_dtype)?,
-                p.stream(),
-            )
-        })
-    })?;
+    let outputs = run_kernel!(launch => berrylm_moe_route(
+        dtype(logits_dtype), input(logits), output(weights), output(ids),
+        rows as i64,
+        c_size(OP, "router_logits", experts)?,
+        c_size(OP, "top_k", top_k)?,
+        c_int::from(args.renormalize),
+        dtype(args.weight_dtype)
+    ))?;
     Ok((outputs.tensor(weights), outputs.tensor(ids)))
 }

@@ -16,37 +16,20 @@ fn kda_gate_rejects_bad_arguments() {
     let raw = zeros(&[2, 8]);
     let a_log = zeros(&[2]);
     let dt_bias = zeros(&[8]);
-    assert_rejects(
-        kda_gate(&raw, &a_log, &dt_bias, 3, None),
-        "kda_gate",
-        "num_heads",
-    );
-    assert_rejects(
-        kda_gate(&raw, &a_log, &dt_bias, 0, None),
-        "kda_gate",
-        "num_heads",
-    );
-    assert_rejects(
-        kda_gate(&raw, &zeros(&[4]), &dt_bias, 2, None),
-        "kda_gate",
-        "a_log",
-    );
-    assert_rejects(
-        kda_gate(&raw, &a_log, &zeros(&[4]), 2, None),
-        "kda_gate",
-        "dt_bias",
-    );
-    assert_rejects(
-        kda_gate(&zeros(&[2, 2, 4]), &a_log, &dt_bias, 2, None),
-        "kda_gate",
-        "raw",
-    );
     let integer_raw = Tensor::zeros((2, 8), DType::U32, &Device::Cpu).expect("zeros");
-    assert_rejects(
-        kda_gate(&integer_raw, &a_log, &dt_bias, 2, None),
-        "kda_gate",
-        "raw",
-    );
+    for (result, arg) in [
+        (kda_gate(&raw, &a_log, &dt_bias, 3, None), "num_heads"),
+        (kda_gate(&raw, &a_log, &dt_bias, 0, None), "num_heads"),
+        (kda_gate(&raw, &zeros(&[4]), &dt_bias, 2, None), "a_log"),
+        (kda_gate(&raw, &a_log, &zeros(&[4]), 2, None), "dt_bias"),
+        (
+            kda_gate(&zeros(&[2, 2, 4]), &a_log, &dt_bias, 2, None),
+            "raw",
+        ),
+        (kda_gate(&integer_raw, &a_log, &dt_bias, 2, None), "raw"),
+    ] {
+        assert_rejects(result, "kda_gate", arg);
+    }
 }
 
 #[test]
@@ -206,18 +189,13 @@ fn attn_res_mix_rejects_bad_arguments() {
 #[test]
 fn gated_rms_norm_rejects_bad_arguments() {
     let x = zeros(&[3, 8]);
-    let op = "gated_rms_norm";
-    assert_rejects(
-        gated_rms_norm(&x, &zeros(&[3, 7]), &zeros(&[8]), 1e-6),
-        op,
-        "z",
-    );
-    assert_rejects(gated_rms_norm(&x, &x, &zeros(&[7]), 1e-6), op, "weight");
-    assert_rejects(
-        gated_rms_norm(&zeros(&[8]), &x, &zeros(&[8]), 1e-6),
-        op,
-        "x",
-    );
+    for (result, arg) in [
+        (gated_rms_norm(&x, &zeros(&[3, 7]), &zeros(&[8]), 1e-6), "z"),
+        (gated_rms_norm(&x, &x, &zeros(&[7]), 1e-6), "weight"),
+        (gated_rms_norm(&zeros(&[8]), &x, &zeros(&[8]), 1e-6), "x"),
+    ] {
+        assert_rejects(result, "gated_rms_norm", arg);
+    }
 }
 
 #[test]

@@ -37,6 +37,13 @@ struct RecurrenceInputs {
     state: Tensor,
 }
 
+impl RecurrenceInputs {
+    /// `[q, k, v, g, beta]`.
+    fn tokens(&self) -> [&Tensor; 5] {
+        [&self.q, &self.k, &self.v, &self.g, &self.beta]
+    }
+}
+
 /// Random inputs like HF's `test_kda_chunked_matches_recurrent`:
 /// `g = -U(0, 1)`, `beta = U(0, 1)`.
 fn inputs(seed: u64, sizes: Sizes, fresh_state: bool) -> Result<RecurrenceInputs> {
@@ -150,14 +157,8 @@ fn run(inputs: &RecurrenceInputs) -> Result<(Tensor, Tensor)> {
 
 /// `kda_recurrence` of the token inputs of `inputs` from `state`.
 fn run_from(inputs: &RecurrenceInputs, state: &Tensor) -> Result<(Tensor, Tensor)> {
-    kda_recurrence(
-        &inputs.q,
-        &inputs.k,
-        &inputs.v,
-        &inputs.g,
-        &inputs.beta,
-        state,
-    )
+    let [q, k, v, g, beta] = inputs.tokens();
+    kda_recurrence(q, k, v, g, beta, state)
 }
 
 fn check_against_reference(inputs: &RecurrenceInputs) -> Result<()> {
@@ -336,19 +337,13 @@ fn prefill_algorithm_does_not_change_cpu_results() -> Result<()> {
     );
     let inputs = inputs(10, HF_TEST_SIZES, false)?;
     let (output, state) = run(&inputs)?;
+    let [q, k, v, g, beta] = inputs.tokens();
     for algorithm in [
         KdaPrefillAlgorithm::Sequential,
         KdaPrefillAlgorithm::Chunked,
     ] {
-        let (algorithm_output, algorithm_state) = kda_recurrence_with(
-            algorithm,
-            &inputs.q,
-            &inputs.k,
-            &inputs.v,
-            &inputs.g,
-            &inputs.beta,
-            &inputs.state,
-        )?;
+        let (algorithm_output, algorithm_state) =
+            kda_recurrence_with(algorithm, q, k, v, g, beta, &inputs.state)?;
         assert_identical(&algorithm_output, &output)?;
         assert_identical(&algorithm_state, &state)?;
     }
@@ -376,19 +371,14 @@ fn gather(pool: &Tensor, slots: &[u32]) -> Result<Tensor> {
 }
 
 fn run_in_pool(inputs: &RecurrenceInputs, pool: &Tensor, slots: &[u32]) -> Result<Tensor> {
-    kda_recurrence_in_pool_with(
-        KdaPrefillAlgorithm::for_len(inputs.q.dims()[1]),
-        &inputs.q,
-        &inputs.k,
-        &inputs.v,
-        &inputs.g,
-        &inputs.beta,
-        StatePool {
-            states: pool,
-            slots: &Tensor::new(slots, &Device::Cpu)?,
-            host_slots: slots,
-        },
-    )
+    let algorithm = KdaPrefillAlgorithm::for_len(inputs.q.dims()[1]);
+    let [q, k, v, g, beta] = inputs.tokens();
+    let pool = StatePool {
+        states: pool,
+        slots: &Tensor::new(slots, &Device::Cpu)?,
+        host_slots: slots,
+    };
+    kda_recurrence_in_pool_with(algorithm, q, k, v, g, beta, pool)
 }
 
 /// Runs `kda_recurrence_in_pool_with` (with the algorithm `kda_recurrence`

@@ -177,14 +177,19 @@ fn parser_options(thinking_enabled: bool, typed: bool) -> ParserOptions {
     }
 }
 
+/// [`parser_options`] of any `thinking_enabled` and `typed`.
+fn any_parser_options() -> impl Strategy<Value = ParserOptions> {
+    any::<(bool, bool)>()
+        .prop_map(|(thinking_enabled, typed)| parser_options(thinking_enabled, typed))
+}
+
 proptest! {
     #[test]
     fn any_chunking_gives_the_non_streaming_result(
         text in output_text(),
         cuts in cuts(),
-        (thinking_enabled, typed) in any::<(bool, bool)>(),
+        options in any_parser_options(),
     ) {
-        let options = parser_options(thinking_enabled, typed);
         let expected = parse(&text, &options);
         prop_assert_eq!(stream_chunked(&text, &cuts, &options), expected.clone());
         for call in &expected.tool_calls {
@@ -223,11 +228,10 @@ proptest! {
     fn no_input_panics(
         text in any_text(),
         cuts in cuts(),
-        (thinking_enabled, typed) in any::<(bool, bool)>(),
+        options in any_parser_options(),
     ) {
-        let options = parser_options(thinking_enabled, typed);
         prop_assert_eq!(stream_chunked(&text, &cuts, &options), parse(&text, &options));
-        parse_reasoning(&text, thinking_enabled);
+        parse_reasoning(&text, options.thinking_enabled);
         extract_tool_calls(&text, &request_tools(), SequentialToolCallIds::default());
     }
 

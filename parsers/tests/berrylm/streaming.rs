@@ -172,12 +172,9 @@ fn whitespace_only_content_waits_for_what_follows() {
 
 #[test]
 fn an_unfinished_call_is_flushed_by_finish() {
-    let deltas = stream_deltas(
-        &["<tool_call>\n<function=get_weather>\n<parameter=days>2"],
-        &options(false),
-    );
+    let output = "<tool_call>\n<function=get_weather>\n<parameter=days>2";
     assert_eq!(
-        deltas,
+        stream_deltas(&[output], &options(false)),
         vec![
             start(0, "get_weather"),
             arguments(0, r#"{"days": "#),

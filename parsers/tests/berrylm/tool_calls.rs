@@ -19,6 +19,24 @@ fn arguments_of(options: &ParserOptions, output: &str) -> Vec<Value> {
         .collect()
 }
 
+/// Asserts that `output`, parsed without tool schemas, holds one call whose
+/// arguments are `expected`.
+fn assert_untyped_arguments(output: &str, expected: Value) {
+    assert_eq!(
+        arguments_of(&untyped_options(false), output),
+        vec![expected]
+    );
+}
+
+/// Asserts that `output` (thinking disabled) parses to the content `content`
+/// alone.
+fn assert_content_only(output: &str, content: &str) {
+    assert_eq!(
+        parse(output, &options(false)),
+        message(None, Some(content), Vec::new())
+    );
+}
+
 #[test]
 fn single_call_with_typed_arguments() {
     let parsed = parse(WEATHER_CALL, &options(false));
@@ -48,10 +66,7 @@ fn content_before_the_call_is_kept() {
 
 #[test]
 fn no_call() {
-    assert_eq!(
-        parse("Just an answer.", &options(false)),
-        message(None, Some("Just an answer."), Vec::new())
-    );
+    assert_content_only("Just an answer.", "Just an answer.");
 }
 
 #[test]
@@ -89,19 +104,16 @@ fn multi_line_value() {
                   <parameter=path>/tmp/x.py</parameter>\n\
                   <parameter=content>\nline 1\nline 2\n</parameter>\n\
                   </function>\n</tool_call>";
-    assert_eq!(
-        arguments_of(&untyped_options(false), output),
-        vec![json!({"path": "/tmp/x.py", "content": "line 1\nline 2"})]
+    assert_untyped_arguments(
+        output,
+        json!({"path": "/tmp/x.py", "content": "line 1\nline 2"}),
     );
 }
 
 #[test]
 fn only_one_newline_is_stripped_on_each_side() {
     let output = "<function=f>\n<parameter=text>\n\n  x  \n\n</parameter>\n</function>";
-    assert_eq!(
-        arguments_of(&untyped_options(false), output),
-        vec![json!({"text": "\n  x  \n"})]
-    );
+    assert_untyped_arguments(output, json!({"text": "\n  x  \n"}));
 }
 
 #[test]
@@ -206,9 +218,9 @@ fn unknown_tools_and_parameters_give_strings() {
 #[test]
 fn tags_and_symbols_inside_values_are_kept() {
     let output = "<function=run>\n<parameter=code>\nif a > b:\n    print(\"<think>\", '\\\\')\n</parameter>\n</function>";
-    assert_eq!(
-        arguments_of(&untyped_options(false), output),
-        vec![json!({"code": "if a > b:\n    print(\"<think>\", '\\\\')"})]
+    assert_untyped_arguments(
+        output,
+        json!({"code": "if a > b:\n    print(\"<think>\", '\\\\')"}),
     );
 }
 
@@ -246,10 +258,7 @@ fn unfinished_calls_are_closed_at_the_end_of_the_output() {
 
 #[test]
 fn turn_markers_are_dropped() {
-    assert_eq!(
-        parse("Answer.<|im_end|>", &options(false)),
-        message(None, Some("Answer."), Vec::new())
-    );
+    assert_content_only("Answer.<|im_end|>", "Answer.");
 }
 
 #[test]
