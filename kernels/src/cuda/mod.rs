@@ -28,6 +28,7 @@ use candle_core::{
 
 use crate::{invalid_argument, unsupported_device, KernelError, Result};
 
+mod attention;
 mod attn_res;
 mod conv;
 mod gate;
@@ -39,6 +40,7 @@ mod recurrence;
 mod rope;
 mod route;
 
+pub(crate) use attention::causal_attention;
 pub(crate) use attn_res::attn_res_mix;
 pub(crate) use conv::{causal_conv1d, causal_conv1d_in_pool};
 pub(crate) use gate::{kda_beta, kda_gate};
