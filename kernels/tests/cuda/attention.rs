@@ -34,8 +34,20 @@ fn max_error(cuda: &Tensor, reference: &Tensor) -> Result<(f32, f32)> {
 fn check(rng: &mut Rng, shape: Shape, capacity: usize, scale: f32, dtype: DType) -> Result<()> {
     let [batch, heads, kv_heads, queries, keys, head_dim] = shape;
     let q = random(rng, &[batch, heads, queries, head_dim], -2.0, 2.0, dtype)?;
-    let k_cache = random(rng, &[batch, kv_heads, capacity, head_dim], -2.0, 2.0, dtype)?;
-    let v_cache = random(rng, &[batch, kv_heads, capacity, head_dim], -1.0, 1.0, dtype)?;
+    let k_cache = random(
+        rng,
+        &[batch, kv_heads, capacity, head_dim],
+        -2.0,
+        2.0,
+        dtype,
+    )?;
+    let v_cache = random(
+        rng,
+        &[batch, kv_heads, capacity, head_dim],
+        -1.0,
+        1.0,
+        dtype,
+    )?;
     let (k, v) = (k_cache.narrow(2, 0, keys)?, v_cache.narrow(2, 0, keys)?);
     let device = gpu();
     let k_gpu = to_gpu(&k_cache, &device)?.narrow(2, 0, keys)?;
@@ -97,8 +109,20 @@ fn causal_attention_matches_cpu_on_tensor_cores() -> Result<()> {
         }
     }
     // A sharp softmax: the running max moves by large steps between tiles.
-    check(&mut Rng::new(7100), [1, 2, 1, 150, 190, 64], 190, 1.5, DType::BF16)?;
-    check(&mut Rng::new(7101), [1, 2, 1, 150, 190, 256], 190, 0.5, DType::F16)?;
+    check(
+        &mut Rng::new(7100),
+        [1, 2, 1, 150, 190, 64],
+        190,
+        1.5,
+        DType::BF16,
+    )?;
+    check(
+        &mut Rng::new(7101),
+        [1, 2, 1, 150, 190, 256],
+        190,
+        0.5,
+        DType::F16,
+    )?;
     Ok(())
 }
 
@@ -106,10 +130,34 @@ fn causal_attention_matches_cpu_on_tensor_cores() -> Result<()> {
 /// dim the tensor-core kernel does not take.
 #[test]
 fn causal_attention_matches_cpu_on_the_scalar_kernel() -> Result<()> {
-    check(&mut Rng::new(7200), [2, 16, 2, 70, 90, 256], 90, 0.0625, DType::F32)?;
-    check(&mut Rng::new(7201), [1, 4, 2, 1, 33, 48], 40, 0.2, DType::F32)?;
-    check(&mut Rng::new(7202), [1, 4, 2, 20, 33, 80], 40, 0.2, DType::BF16)?;
-    check(&mut Rng::new(7203), [1, 4, 1, 20, 33, 512], 40, 0.05, DType::F16)?;
+    check(
+        &mut Rng::new(7200),
+        [2, 16, 2, 70, 90, 256],
+        90,
+        0.0625,
+        DType::F32,
+    )?;
+    check(
+        &mut Rng::new(7201),
+        [1, 4, 2, 1, 33, 48],
+        40,
+        0.2,
+        DType::F32,
+    )?;
+    check(
+        &mut Rng::new(7202),
+        [1, 4, 2, 20, 33, 80],
+        40,
+        0.2,
+        DType::BF16,
+    )?;
+    check(
+        &mut Rng::new(7203),
+        [1, 4, 1, 20, 33, 512],
+        40,
+        0.05,
+        DType::F16,
+    )?;
     Ok(())
 }
 
@@ -121,9 +169,18 @@ fn causal_attention_copies_other_layouts_on_cuda() -> Result<()> {
     let mut rng = Rng::new(7300);
     let dtype = DType::BF16;
     let device = gpu();
-    let q = to_gpu(&random(&mut rng, &[1, 16, 40, 256], -2.0, 2.0, dtype)?, &device)?;
-    let k = to_gpu(&random(&mut rng, &[1, 2, 51, 256], -2.0, 2.0, dtype)?, &device)?;
-    let v = to_gpu(&random(&mut rng, &[1, 2, 51, 256], -1.0, 1.0, dtype)?, &device)?;
+    let q = to_gpu(
+        &random(&mut rng, &[1, 16, 40, 256], -2.0, 2.0, dtype)?,
+        &device,
+    )?;
+    let k = to_gpu(
+        &random(&mut rng, &[1, 2, 51, 256], -2.0, 2.0, dtype)?,
+        &device,
+    )?;
+    let v = to_gpu(
+        &random(&mut rng, &[1, 2, 51, 256], -1.0, 1.0, dtype)?,
+        &device,
+    )?;
     let expected = f32_values(&causal_attention(
         &q,
         &k.narrow(2, 1, 50)?.contiguous()?.force_contiguous()?,
@@ -150,11 +207,19 @@ fn causal_attention_copies_other_layouts_on_cuda() -> Result<()> {
         expected_off
     );
     let transposed = |t: &Tensor| -> candle_core::Result<Tensor> {
-        t.narrow(2, 1, 50)?.transpose(2, 3)?.contiguous()?.transpose(2, 3)
+        t.narrow(2, 1, 50)?
+            .transpose(2, 3)?
+            .contiguous()?
+            .transpose(2, 3)
     };
     let q_t = q.transpose(1, 2)?.contiguous()?.transpose(1, 2)?;
     assert_eq!(
-        f32_values(&causal_attention(&q_t, &transposed(&k)?, &transposed(&v)?, 0.0625)?)?,
+        f32_values(&causal_attention(
+            &q_t,
+            &transposed(&k)?,
+            &transposed(&v)?,
+            0.0625
+        )?)?,
         expected
     );
     Ok(())
