@@ -71,7 +71,7 @@ pub(crate) fn causal_attention(
         ));
     }
     let mut launch = Launch::new(OP, q)?;
-    let q = if q.is_contiguous() && q.layout().start_offset() % ALIGN == 0 {
+    let q = if q.is_contiguous() && q.layout().start_offset().is_multiple_of(ALIGN) {
         launch.push_input("q", q.clone())?
     } else {
         launch.push_input("q", q.force_contiguous()?)?
@@ -125,8 +125,8 @@ fn strided_input(
     let stride = layout.stride();
     let dims = layout.dims();
     let in_place = (stride[3] == 1 || dims[3] == 1)
-        && layout.start_offset() % ALIGN == 0
-        && stride[..3].iter().all(|&s| s % ALIGN == 0);
+        && layout.start_offset().is_multiple_of(ALIGN)
+        && stride[..3].iter().all(|s| s.is_multiple_of(ALIGN));
     let (tensor, stride) = if in_place {
         (tensor.clone(), [stride[0], stride[1], stride[2]])
     } else {
