@@ -11,7 +11,10 @@
 //!   (sequential, and chunked, which `kda_recurrence` uses from T = 64 on),
 //!   reporting tokens per second.
 //!
-//! `--decode-only` / `--prefill-only` print one table.
+//! `--decode-only` / `--prefill-only` print one table. `--attention` times
+//! `causal_attention` instead (B 1, Hq 16, Hkv 2, D 256, T = L = 4096 and
+//! 16384, bf16), reporting ms and TFLOP/s of the causal FLOPs
+//! `4 * B * Hq * D * T (T + 1) / 2`.
 //!
 //! Each figure is the mean over many back-to-back calls on candle's stream,
 //! timed with CUDA events around the loop (GPU time, outputs allocated per
@@ -21,7 +24,7 @@
 
 use std::time::Instant;
 
-use berrylm_kernels::{kda_recurrence_with, KdaPrefillAlgorithm};
+use berrylm_kernels::{causal_attention, kda_recurrence_with, KdaPrefillAlgorithm};
 use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
 use candle_core::{DType, Device, Tensor};
 
@@ -72,11 +75,11 @@ fn copy_call(x: &Inputs) -> candle_core::Result<()> {
 }
 
 /// Mean seconds per call: (GPU time from events, host time after a sync).
-fn time_calls(
+fn time_calls<X>(
     device: &Device,
-    x: &Inputs,
+    x: &X,
     iters: usize,
-    call: impl Fn(&Inputs) -> candle_core::Result<()>,
+    call: impl Fn(&X) -> candle_core::Result<()>,
 ) -> candle_core::Result<(f64, f64)> {
     let Device::Cuda(cuda) = device else {
         unreachable!()
@@ -111,6 +114,9 @@ fn main() -> candle_core::Result<()> {
     let decode_only = std::env::args().any(|a| a == "--decode-only");
     let prefill_only = std::env::args().any(|a| a == "--prefill-only");
     let device = Device::new_cuda(0)?;
+    if std::env::args().any(|a| a == "--attention") {
+        return attention_table(&device);
+    }
     println!("kda_recurrence, Hk={HK} Hv={HV} dk={DK} dv={DV}, q/k/v bf16, g/beta/state f32");
     // Warm-up (clocks, allocator pools) before anything is timed.
     {
@@ -201,6 +207,41 @@ fn decode_table(device: &Device, quick: bool) -> candle_core::Result<()> {
             host * 1e6,
             bytes / host * 1e-9,
             bytes / copy * 1e-9
+        );
+    }
+    Ok(())
+}
+
+/// `causal_attention` over a whole prompt at BerryLM's full-attention shape.
+fn attention_table(device: &Device) -> candle_core::Result<()> {
+    const HEADS: usize = 16;
+    const KV_HEADS: usize = 2;
+    const HEAD_DIM: usize = 256;
+    println!("causal_attention, B=1 Hq={HEADS} Hkv={KV_HEADS} D={HEAD_DIM}, bf16, T = L");
+    println!("| T | GPU ms/call | TFLOP/s (GPU) | host ms/call |");
+    println!("|---|---|---|---|");
+    for seq_len in [4096, 16384] {
+        let uniform = |heads: usize, lo: f32, hi: f32| {
+            Tensor::rand(lo, hi, (1, heads, seq_len, HEAD_DIM), device)?.to_dtype(DType::BF16)
+        };
+        let qkv = (
+            uniform(HEADS, -2.0, 2.0)?,
+            uniform(KV_HEADS, -2.0, 2.0)?,
+            uniform(KV_HEADS, -1.0, 1.0)?,
+        );
+        let scale = 1.0 / (HEAD_DIM as f32).sqrt();
+        let iters = if seq_len > 4096 { 5 } else { 20 };
+        let (gpu, host) = time_calls(device, &qkv, iters, |(q, k, v)| {
+            drop(causal_attention(q, k, v, scale)?);
+            Ok(())
+        })?;
+        let t = seq_len as f64;
+        let flops = 4.0 * (HEADS * HEAD_DIM) as f64 * t * (t + 1.0) / 2.0;
+        println!(
+            "| {seq_len} | {:.3} | {:.1} | {:.3} |",
+            gpu * 1e3,
+            flops / gpu * 1e-12,
+            host * 1e3
         );
     }
     Ok(())

@@ -16,6 +16,7 @@
 //! | [`offset_rms_norm`] | 3.1 | the `(1 + w)` RMSNorm of the layer, q/k and final norms |
 //! | [`add_offset_rms_norm`] | 3.1, 3.3 | a residual add and the `(1 + w)` RMSNorm of its result, one launch |
 //! | [`offset_rms_norm_rope`] | 3.5 step 2-3 | the q/k `(1 + w)` RMSNorm followed by the partial NeoX rotary embedding |
+//! | [`causal_attention`] | 3.5 step 4 | causal GQA `softmax(q k^T * scale) v` over a prompt (FlashAttention-style tensor-core kernel on CUDA) |
 //! | [`sigmoid_gate_mul`] | 3.5 step 5 | the attention output times the sigmoid of its gate |
 //! | [`moe_route`] | 3.7 | MoE router: softmax, top-k with `torch.topk`'s order, optional renormalisation |
 //! | [`moe_experts`] | 3.7 step 3 | the routed experts' weighted sum, accumulated in expert order (decode kernels; grouped GEMMs for prompts on CUDA) |
@@ -59,6 +60,7 @@ macro_rules! on_device {
     };
 }
 
+mod attention;
 mod attn_res;
 mod conv;
 #[cfg(feature = "cuda")]
@@ -72,6 +74,7 @@ mod recurrence;
 mod rope;
 mod route;
 
+pub use attention::causal_attention;
 pub use attn_res::attn_res_mix;
 pub use conv::{
     causal_conv1d, causal_conv1d_split, causal_conv1d_split_in_pool, MAX_CONV_OUTPUT_GROUPS,

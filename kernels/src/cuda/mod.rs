@@ -72,6 +72,7 @@ macro_rules! run_kernel {
     };
 }
 
+mod attention;
 mod attn_res;
 mod conv;
 mod gate;
@@ -83,6 +84,7 @@ mod recurrence;
 mod rope;
 mod route;
 
+pub(crate) use attention::causal_attention;
 pub(crate) use attn_res::attn_res_mix;
 pub(crate) use conv::{causal_conv1d, causal_conv1d_in_pool};
 pub(crate) use gate::{kda_beta, kda_gate};

@@ -1,5 +1,6 @@
 //! Tests of every kernel against independent `f64` computations written here.
 
+mod attention;
 mod attn_res;
 mod common;
 mod conv;

@@ -1,0 +1,197 @@
+//! Causal grouped-query attention over a prompt (spec 3.5 step 4), the
+//! operation the full-attention layers run between the rotary embedding and
+//! the output gate.
+
+use candle_core::{DType, Tensor};
+
+use crate::{
+    ensure, expect_device, expect_dim, expect_positive, expect_same_dtype, expect_shape,
+    float_dims, round_to_dtype, tensor_from_f32, to_f32_vec, Result,
+};
+
+const OP: &str = "causal_attention";
+
+/// Causal grouped-query attention of `T` queries, the last `T` positions of
+/// a sequence of `L` keys:
+///
+/// ```text
+/// s[i, j] = round(round(q_i . k_j) * scale)       j <= L - T + i
+/// p[i, :] = round(softmax_f32(s[i, :]))            over the allowed j only
+/// o[i]    = round(sum_j p[i, j] v_j)               (f32 accumulation)
+/// ```
+///
+/// where `round` rounds to the dtype of `q`, and query head `h` reads
+/// key/value head `h / (Hq / Hkv)`. These are the rounding points of the
+/// plugin's eager attention (a matmul in the input dtype, a scaling in the
+/// input dtype, an additive causal mask, the softmax in f32 rounded back,
+/// the matmul with `v`), so the CPU implementation is its oracle. `scale`
+/// is used as an `f32`, rounded to `f16` first for `f16` inputs (candle's
+/// scaling of an `f16` tensor does so); in `bf16` the product is computed in
+/// f32 and rounded once (the plugin's widened CPU scaling).
+///
+/// * `q`: `[B, Hq, T, D]`, any layout (made contiguous first on CUDA).
+/// * `k`, `v`: `[B, Hkv, L, D]` in the dtype of `q`, with `Hq % Hkv == 0`
+///   and `L >= T`. On CUDA they are read in place when their last dimension
+///   is contiguous and every other stride (batch, head, position) and the
+///   first element's offset are multiples of 8 elements (16 bytes), e.g.
+///   views of a larger key/value cache narrowed along `L`; other layouts are
+///   copied to contiguous tensors first.
+/// * `softmax_scale`: the factor of the scores, usually `1 / sqrt(D)`;
+///   finite.
+///
+/// Returns a contiguous `[B, Hq, T, D]` in the dtype of `q`.
+///
+/// On CUDA, `bf16` and `f16` inputs with `D` of 64, 128 or 256 run a tiled
+/// FlashAttention-2-style kernel on tensor cores (`mma.sync` m16n8k16, f32
+/// accumulation, online softmax in f32, no materialised scores): its scores
+/// are not rounded to the input dtype and its sums run in another order, so
+/// it agrees with the CPU within the rounding of the output dtype, not bit
+/// for bit. Other CUDA inputs (`f32`, other head dims) run a simple scalar
+/// kernel with the same online softmax in f32, for any `D` up to 512.
+pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, softmax_scale: f32) -> Result<Tensor> {
+    let dims = validate(q, k, v, softmax_scale)?;
+    on_device!(
+        OP,
+        q.device(),
+        cpu_causal_attention(q, k, v, softmax_scale, &dims),
+        crate::cuda::causal_attention(q, k, v, softmax_scale, &dims),
+    )
+}
+
+/// The sizes of a validated call.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AttentionDims {
+    pub(crate) batch: usize,
+    pub(crate) heads: usize,
+    pub(crate) kv_heads: usize,
+    pub(crate) queries: usize,
+    pub(crate) keys: usize,
+    pub(crate) head_dim: usize,
+}
+
+fn validate(q: &Tensor, k: &Tensor, v: &Tensor, softmax_scale: f32) -> Result<AttentionDims> {
+    let [batch, heads, queries, head_dim] = float_dims::<4>(OP, "q", q)?;
+    let k_dims = float_dims::<4>(OP, "k", k)?;
+    let v_dims = float_dims::<4>(OP, "v", v)?;
+    let [k_batch, kv_heads, keys, k_head_dim] = k_dims;
+    expect_positive(OP, "q", "the batch size", batch)?;
+    expect_positive(OP, "q", "the number of query heads", heads)?;
+    expect_positive(OP, "q", "the number of queries", queries)?;
+    expect_positive(OP, "q", "the head dim", head_dim)?;
+    expect_dim(OP, "k", "the batch size", k_batch, batch)?;
+    expect_dim(OP, "k", "the head dim", k_head_dim, head_dim)?;
+    expect_positive(OP, "k", "the number of key/value heads", kv_heads)?;
+    ensure(heads % kv_heads == 0, OP, "k", || {
+        format!("the {heads} query heads are not a multiple of the {kv_heads} key/value heads")
+    })?;
+    ensure(keys >= queries, OP, "k", || {
+        format!("{keys} keys are fewer than the {queries} queries")
+    })?;
+    expect_shape(OP, "v", &v_dims, &k_dims, "the shape of `k`")?;
+    expect_same_dtype(OP, "k", k, q.dtype(), "the dtype of `q`")?;
+    expect_same_dtype(OP, "v", v, q.dtype(), "the dtype of `q`")?;
+    expect_device(OP, "k", k, q.device())?;
+    expect_device(OP, "v", v, q.device())?;
+    ensure(softmax_scale.is_finite(), OP, "softmax_scale", || {
+        format!("{softmax_scale} is not finite")
+    })?;
+    Ok(AttentionDims {
+        batch,
+        heads,
+        kv_heads,
+        queries,
+        keys,
+        head_dim,
+    })
+}
+
+fn cpu_causal_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    softmax_scale: f32,
+    dims: &AttentionDims,
+) -> Result<Tensor> {
+    let AttentionDims {
+        batch,
+        heads,
+        kv_heads,
+        queries,
+        keys,
+        head_dim,
+    } = *dims;
+    let dtype = q.dtype();
+    let groups = heads / kv_heads;
+    let q = to_f32_vec(q)?;
+    let k = to_f32_vec(k)?;
+    let v = to_f32_vec(v)?;
+    // Keys before the first query's position: query i sees keys
+    // 0..=prefix + i.
+    let prefix = keys - queries;
+    let q_row = |b: usize, h: usize, i: usize| ((b * heads + h) * queries + i) * head_dim;
+    let kv_row = |b: usize, h: usize, j: usize| ((b * kv_heads + h / groups) * keys + j) * head_dim;
+    let score_row = |b: usize, h: usize, i: usize| ((b * heads + h) * queries + i) * keys;
+
+    // q k^T, rounded as the matmul's output in the input dtype. Masked
+    // scores stay 0 here and are skipped below.
+    let mut scores = vec![0f32; batch * heads * queries * keys];
+    for b in 0..batch {
+        for h in 0..heads {
+            for i in 0..queries {
+                let query = &q[q_row(b, h, i)..][..head_dim];
+                let row = &mut scores[score_row(b, h, i)..][..keys];
+                for (j, score) in row[..=prefix + i].iter_mut().enumerate() {
+                    let key = &k[kv_row(b, h, j)..][..head_dim];
+                    *score = query.iter().zip(key).map(|(a, b)| a * b).sum();
+                }
+            }
+        }
+    }
+    let factor = match dtype {
+        DType::F16 => round_to_dtype(vec![softmax_scale], dtype)?[0],
+        _ => softmax_scale,
+    };
+    let scores = round_to_dtype(
+        round_to_dtype(scores, dtype)?
+            .into_iter()
+            .map(|score| score * factor)
+            .collect(),
+        dtype,
+    )?;
+
+    // The softmax of each row's allowed scores in f32, as candle computes
+    // it (max, exp of the differences, sequential sum, division).
+    let mut probs = vec![0f32; scores.len()];
+    for (row, (scores, probs)) in scores
+        .chunks_exact(keys)
+        .zip(probs.chunks_exact_mut(keys))
+        .enumerate()
+    {
+        let allowed = prefix + row % queries + 1;
+        let max = scores[..allowed]
+            .iter()
+            .fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+        let mut sum = 0f32;
+        for (p, &s) in probs[..allowed].iter_mut().zip(scores) {
+            *p = (s - max).exp();
+            sum += *p;
+        }
+        probs[..allowed].iter_mut().for_each(|p| *p /= sum);
+    }
+    let probs = round_to_dtype(probs, dtype)?;
+
+    let mut out = vec![0f32; batch * heads * queries * head_dim];
+    for b in 0..batch {
+        for h in 0..heads {
+            for i in 0..queries {
+                let row = &probs[score_row(b, h, i)..][..keys];
+                let acc = &mut out[q_row(b, h, i)..][..head_dim];
+                for (j, &p) in row[..=prefix + i].iter().enumerate() {
+                    let value = &v[kv_row(b, h, j)..][..head_dim];
+                    acc.iter_mut().zip(value).for_each(|(o, &x)| *o += p * x);
+                }
+            }
+        }
+    }
+    tensor_from_f32(out, &[batch, heads, queries, head_dim], dtype)
+}

@@ -1,0 +1,447 @@
+// Causal grouped-query attention over a prompt (spec 3.5 step 4):
+//
+//   o_i = sum_j softmax_j(scale * q_i . k_j) v_j      j <= prefix + i
+//
+// for the T queries at the last T positions of L keys (prefix = L - T),
+// query head h reading key/value head h / (Hq / Hkv). q and o are contiguous
+// [B, Hq, T, D]; k and v are [B, Hkv, L, D] with a contiguous last dimension
+// and arbitrary batch, head and position strides (views of a larger cache).
+//
+// Two kernels:
+//
+// * `flash_kernel` (bf16/f16, D in {64, 128, 256}): FlashAttention-2-style.
+//   A block of 4 warps owns 64 queries of one head; each warp owns 16 query
+//   rows. The block walks the key tiles (64 keys each) up to its causal
+//   limit: S = Q K^T on tensor cores (mma.sync m16n8k16, f32 accumulators),
+//   the online softmax in f32 (running max and sum per row, the output
+//   accumulator rescaled when the max grows), P rounded to the input dtype
+//   and O += P V on tensor cores. Tiles live in shared memory, loaded with
+//   cp.async: the V tile streams in while S is computed, the next K tile
+//   while the softmax and P V run. Rows are padded by 16 bytes so that the
+//   ldmatrix reads of 8 rows hit 8 different bank groups. The blocks of the
+//   last query tiles (the most keys) are scheduled first.
+//
+// * `scalar_kernel` (any dtype, D <= 512): one warp per query, the same
+//   online softmax with scalar f32 arithmetic; the fallback for f32 inputs
+//   and other head dims.
+//
+// Neither rounds the scores to the input dtype as the CPU reference does, and
+// their sums run in another order: they agree with it within the rounding of
+// the output dtype.
+#include "common.cuh"
+
+namespace berrylm::attention {
+
+struct Params {
+    const void* q;
+    const void* k;
+    const void* v;
+    void* out;
+    int heads;
+    int kv_heads;
+    int queries;
+    int keys;
+    int head_dim;
+    long long k_batch_stride, k_head_stride, k_row_stride;
+    long long v_batch_stride, v_head_stride, v_row_stride;
+    // softmax_scale * log2(e): the kernels exponentiate with exp2f.
+    float scale_log2;
+};
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// ---------------------------------------------------------------- PTX helpers
+
+__device__ __forceinline__ unsigned smem_address(const void* pointer) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(pointer));
+}
+
+// Copies 16 bytes from global to shared memory asynchronously; with
+// `src_bytes` 0 it writes 16 zero bytes instead (rows past the end).
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(dst)),
+                 "l"(src), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Waits until at most N committed groups of this thread are still pending.
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Four 8x8 matrices of 16-bit elements; lanes 8i..8i+7 give the row addresses
+// of matrix i, and r[i] receives this lane's pair of matrix i (row lane / 4,
+// columns 2 (lane % 4) and the next).
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_address(row)));
+}
+
+// The same, each matrix transposed: r[i] holds rows 2 (lane % 4) and the next
+// of column lane / 4.
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_address(row)));
+}
+
+// c += a b for a 16x16 A (row-major fragment), a 16x8 B (column fragment) and
+// a 16x8 f32 C.
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4], unsigned b0,
+                                          unsigned b1);
+
+template <>
+__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&c)[4], const unsigned (&a)[4],
+                                                         unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <>
+__device__ __forceinline__ void mma_16816<__half>(float (&c)[4], const unsigned (&a)[4],
+                                                  unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two f32 values rounded to T (RNE) and packed, `lo` in the low half.
+template <typename T> __device__ __forceinline__ unsigned pack2(float lo, float hi);
+
+template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, float hi) {
+    __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&pair);
+}
+
+template <> __device__ __forceinline__ unsigned pack2<__half>(float lo, float hi) {
+    __half2 pair = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&pair);
+}
+
+// ------------------------------------------------------- tensor-core kernel
+
+constexpr int kBlockM = 64;  // queries per block
+constexpr int kBlockN = 64;  // keys per tile
+constexpr int kWarps = 4;    // each owns 16 query rows
+constexpr int kThreads = kWarps * 32;
+constexpr int kPad = 8;      // elements of padding per shared-memory row
+
+template <typename T, int D> constexpr int flash_smem_bytes() {
+    return (kBlockM + 2 * kBlockN) * (D + kPad) * static_cast<int>(sizeof(T));
+}
+
+// Starts loading `ROWS` rows of D elements, `row_stride` elements apart from
+// `src`, into the padded tile `dst`; rows from `valid_rows` on are zeros.
+template <typename T, int D, int ROWS>
+__device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_stride,
+                                          int valid_rows) {
+    constexpr int kChunks = D / 8;  // 16-byte chunks per row
+#pragma unroll
+    for (int c = threadIdx.x; c < ROWS * kChunks; c += kThreads) {
+        const int row = c / kChunks;
+        const int col = (c % kChunks) * 8;
+        const bool valid = row < valid_rows;
+        const T* from = valid ? src + row * row_stride + col : src;
+        cp_async_16(dst + row * (D + kPad) + col, from, valid ? 16 : 0);
+    }
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, 1) flash_kernel(const Params p) {
+    static_assert(D % 16 == 0 && D <= 256, "head dim");
+    constexpr int kStride = D + kPad;
+    extern __shared__ __align__(16) unsigned char smem[];
+    T* s_q = reinterpret_cast<T*>(smem);
+    T* s_k = s_q + kBlockM * kStride;
+    T* s_v = s_k + kBlockN * kStride;
+
+    const int tile = gridDim.x - 1 - blockIdx.x;  // the longest rows first
+    const int head = blockIdx.y;
+    const int batch = blockIdx.z;
+    const int kv_head = head / (p.heads / p.kv_heads);
+    const int m0 = tile * kBlockM;
+    const int prefix = p.keys - p.queries;
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int group = lane / 4;   // the fragment row of this lane
+    const int quad = lane % 4;    // the fragment column pair of this lane
+
+    const long long q_offset =
+        ((static_cast<long long>(batch) * p.heads + head) * p.queries + m0) * D;
+    const T* q = static_cast<const T*>(p.q) + q_offset;
+    const T* k = static_cast<const T*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
+    const T* v = static_cast<const T*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride;
+
+    // Keys any query of the tile sees: 0 .. prefix + m0 + kBlockM - 1.
+    const int key_end = min(p.keys, prefix + m0 + kBlockM);
+    const int tiles = (key_end + kBlockN - 1) / kBlockN;
+
+    load_tile<T, D, kBlockM>(s_q, q, D, p.queries - m0);
+    load_tile<T, D, kBlockN>(s_k, k, p.k_row_stride, key_end);
+    cp_async_commit();
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[i][e] = 0.0f;
+    }
+    // Per fragment row (group, group + 8): running max of the scaled scores
+    // (log2 units) and this lane's part of the running sum.
+    float row_max[2] = {-INFINITY, -INFINITY};
+    float row_sum[2] = {0.0f, 0.0f};
+    const int warp_row = warp * 16;
+    // Largest key index each of this lane's rows may see.
+    const int limit[2] = {prefix + m0 + warp_row + group, prefix + m0 + warp_row + group + 8};
+
+    for (int t = 0; t < tiles; ++t) {
+        const int n0 = t * kBlockN;
+        load_tile<T, D, kBlockN>(s_v, v + n0 * p.v_row_stride, p.v_row_stride, key_end - n0);
+        cp_async_commit();
+        cp_async_wait<1>();  // Q and this K tile
+        __syncthreads();
+
+        // S = Q K^T for this warp's 16 rows and the 64 keys.
+        float s[kBlockN / 8][4];
+#pragma unroll
+        for (int i = 0; i < kBlockN / 8; ++i) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[i][e] = 0.0f;
+        }
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            unsigned a[4];
+            ldmatrix_x4(a, s_q + (warp_row + (lane & 7) + ((lane >> 3) & 1) * 8) * kStride +
+                               kk * 16 + (lane >> 4) * 8);
+#pragma unroll
+            for (int nb = 0; nb < kBlockN / 8; nb += 2) {
+                unsigned b[4];
+                ldmatrix_x4(b, s_k + (nb * 8 + (lane & 7) + (lane >> 4) * 8) * kStride +
+                                   kk * 16 + ((lane >> 3) & 1) * 8);
+                mma_16816<T>(s[nb], a, b[0], b[1]);
+                mma_16816<T>(s[nb + 1], a, b[2], b[3]);
+            }
+        }
+        __syncthreads();  // every warp is done with s_k
+        if (t + 1 < tiles) {
+            const int next = n0 + kBlockN;
+            load_tile<T, D, kBlockN>(s_k, k + next * p.k_row_stride, p.k_row_stride,
+                                     key_end - next);
+        }
+        cp_async_commit();
+
+        // The causal limit and the end of the keys, where this tile reaches them.
+        const bool masked = n0 + kBlockN - 1 > prefix + m0 + warp_row || n0 + kBlockN > p.keys;
+#pragma unroll
+        for (int nb = 0; nb < kBlockN / 8; ++nb) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = n0 + nb * 8 + quad * 2 + (e & 1);
+                const bool hidden = masked && (key > limit[e >> 1] || key >= p.keys);
+                s[nb][e] = hidden ? -INFINITY : s[nb][e] * p.scale_log2;
+            }
+        }
+        // Online softmax: the new running max, the rescaling of what was
+        // accumulated, and P = exp2(S - max).
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float tile_max = -INFINITY;
+#pragma unroll
+            for (int nb = 0; nb < kBlockN / 8; ++nb) {
+                tile_max = fmaxf(tile_max, fmaxf(s[nb][2 * r], s[nb][2 * r + 1]));
+            }
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+            const float new_max = fmaxf(row_max[r], tile_max);
+            // Every row sees key 0 in the first tile, so the max is finite
+            // from then on; the guard keeps -inf - -inf out regardless.
+            const float base = new_max == -INFINITY ? 0.0f : new_max;
+            const float rescale = exp2f(row_max[r] - base);
+            row_max[r] = new_max;
+            float sum = 0.0f;
+#pragma unroll
+            for (int nb = 0; nb < kBlockN / 8; ++nb) {
+                s[nb][2 * r] = exp2f(s[nb][2 * r] - base);
+                s[nb][2 * r + 1] = exp2f(s[nb][2 * r + 1] - base);
+                sum += s[nb][2 * r] + s[nb][2 * r + 1];
+            }
+            row_sum[r] = row_sum[r] * rescale + sum;
+#pragma unroll
+            for (int db = 0; db < D / 8; ++db) {
+                o[db][2 * r] *= rescale;
+                o[db][2 * r + 1] *= rescale;
+            }
+        }
+
+        cp_async_wait<1>();  // this V tile
+        __syncthreads();
+        // O += P V: P's accumulator fragments are the A fragments of the
+        // 16-key steps.
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+            unsigned a[4];
+            a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+            a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+            a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int db = 0; db < D / 8; db += 2) {
+                unsigned b[4];
+                ldmatrix_x4_trans(b, s_v + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kStride +
+                                         db * 8 + (lane >> 4) * 8);
+                mma_16816<T>(o[db], a, b[0], b[1]);
+                mma_16816<T>(o[db + 1], a, b[2], b[3]);
+            }
+        }
+        __syncthreads();  // every warp is done with s_v
+    }
+    cp_async_wait<0>();
+
+    // o / sum, rounded to T; rows past the queries are not written.
+    T* out = static_cast<T*>(p.out) + q_offset;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float sum = row_sum[r];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const float inv = 1.0f / sum;
+        const int row = warp_row + group + 8 * r;
+        if (m0 + row >= p.queries) continue;
+#pragma unroll
+        for (int db = 0; db < D / 8; ++db) {
+            const unsigned pair = pack2<T>(o[db][2 * r] * inv, o[db][2 * r + 1] * inv);
+            *reinterpret_cast<unsigned*>(out + static_cast<long long>(row) * D + db * 8 +
+                                         quad * 2) = pair;
+        }
+    }
+}
+
+template <typename T, int D> int launch_flash(const Params& p, int batch, cudaStream_t stream) {
+    constexpr int smem = flash_smem_bytes<T, D>();
+    cudaError_t status = cudaFuncSetAttribute(
+        flash_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (status != cudaSuccess) return static_cast<int>(status);
+    const dim3 grid((p.queries + kBlockM - 1) / kBlockM, p.heads, batch);
+    flash_kernel<T, D><<<grid, kThreads, smem, stream>>>(p);
+    return berrylm::launch_status();
+}
+
+// ----------------------------------------------------------- scalar kernel
+
+constexpr int kScalarWarps = 4;
+constexpr int kMaxPerLane = 16;  // D <= 32 * 16
+
+template <typename T> __global__ void scalar_kernel(const Params p) {
+    const int lane = threadIdx.x % 32;
+    const int query = blockIdx.x * kScalarWarps + threadIdx.x / 32;
+    const int head = blockIdx.y;
+    const int batch = blockIdx.z;
+    if (query >= p.queries) return;
+    const int D = p.head_dim;
+    const int kv_head = head / (p.heads / p.kv_heads);
+    const long long row = (static_cast<long long>(batch) * p.heads + head) * p.queries + query;
+    const T* q = static_cast<const T*>(p.q) + row * D;
+    const T* k = static_cast<const T*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
+    const T* v = static_cast<const T*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride;
+
+    float qr[kMaxPerLane], acc[kMaxPerLane];
+#pragma unroll
+    for (int i = 0; i < kMaxPerLane; ++i) {
+        const int d = lane + 32 * i;
+        qr[i] = d < D ? to_f32(q[d]) : 0.0f;
+        acc[i] = 0.0f;
+    }
+    float max = -INFINITY, sum = 0.0f;
+    const int last = p.keys - p.queries + query;
+    for (int j = 0; j <= last; ++j) {
+        const T* key = k + j * p.k_row_stride;
+        float dot = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kMaxPerLane; ++i) {
+            const int d = lane + 32 * i;
+            if (d < D) dot += qr[i] * to_f32(key[d]);
+        }
+        const float score = berrylm::warp_sum(dot) * p.scale_log2;
+        const float new_max = fmaxf(max, score);
+        const float rescale = exp2f(max - new_max);
+        const float weight = exp2f(score - new_max);
+        max = new_max;
+        sum = sum * rescale + weight;
+        const T* value = v + j * p.v_row_stride;
+#pragma unroll
+        for (int i = 0; i < kMaxPerLane; ++i) {
+            const int d = lane + 32 * i;
+            if (d < D) acc[i] = acc[i] * rescale + weight * to_f32(value[d]);
+        }
+    }
+    T* out = static_cast<T*>(p.out) + row * D;
+#pragma unroll
+    for (int i = 0; i < kMaxPerLane; ++i) {
+        const int d = lane + 32 * i;
+        if (d < D) out[d] = from_f32<T>(acc[i] / sum);
+    }
+}
+
+}  // namespace berrylm::attention
+
+using namespace berrylm::attention;
+
+extern "C" int berrylm_causal_attention(int dtype, const void* q, const void* k, const void* v,
+                                        void* out, int batch, int heads, int kv_heads,
+                                        int queries, int keys, int head_dim,
+                                        long long k_batch_stride, long long k_head_stride,
+                                        long long k_row_stride, long long v_batch_stride,
+                                        long long v_head_stride, long long v_row_stride,
+                                        float softmax_scale, void* stream) {
+    if (batch == 0 || heads == 0 || queries == 0 || head_dim == 0) return 0;
+    if (kv_heads <= 0 || heads % kv_heads != 0 || keys < queries || head_dim > 32 * kMaxPerLane ||
+        heads > 65535 || batch > 65535) {
+        return static_cast<int>(cudaErrorInvalidValue);
+    }
+    const Params p{q,
+                   k,
+                   v,
+                   out,
+                   heads,
+                   kv_heads,
+                   queries,
+                   keys,
+                   head_dim,
+                   k_batch_stride,
+                   k_head_stride,
+                   k_row_stride,
+                   v_batch_stride,
+                   v_head_stride,
+                   v_row_stride,
+                   softmax_scale * kLog2e};
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (dtype == berrylm::kBF16 || dtype == berrylm::kF16) {
+        const bool bf16 = dtype == berrylm::kBF16;
+        switch (head_dim) {
+            case 64:
+                return bf16 ? launch_flash<__nv_bfloat16, 64>(p, batch, s)
+                            : launch_flash<__half, 64>(p, batch, s);
+            case 128:
+                return bf16 ? launch_flash<__nv_bfloat16, 128>(p, batch, s)
+                            : launch_flash<__half, 128>(p, batch, s);
+            case 256:
+                return bf16 ? launch_flash<__nv_bfloat16, 256>(p, batch, s)
+                            : launch_flash<__half, 256>(p, batch, s);
+            default:
+                break;
+        }
+    }
+    const dim3 grid((queries + kScalarWarps - 1) / kScalarWarps, heads, batch);
+    BERRYLM_DISPATCH_DTYPE(dtype, T, {
+        scalar_kernel<T><<<grid, kScalarWarps * 32, 0, s>>>(p);
+    });
+    return berrylm::launch_status();
+}

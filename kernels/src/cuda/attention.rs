@@ -1,0 +1,142 @@
+//! Binding of `attention.cu`: causal grouped-query attention over a prompt.
+//!
+//! `k` and `v` are read in place when their layout allows it (a contiguous
+//! last dimension, 16-byte aligned rows: the views of a larger key/value
+//! cache narrowed along the positions), the kernel getting their batch, head
+//! and position strides; other layouts, and a `q` that is not contiguous and
+//! aligned, are copied to fresh contiguous tensors first.
+
+use std::ffi::{c_int, c_void};
+
+use candle_core::Tensor;
+
+use super::{c_size, dtype_code, In, Launch};
+use crate::attention::AttentionDims;
+use crate::{invalid_argument, Result};
+
+extern "C" {
+    fn berrylm_causal_attention(
+        dtype: c_int,
+        q: *const c_void,
+        k: *const c_void,
+        v: *const c_void,
+        out: *mut c_void,
+        batch: c_int,
+        heads: c_int,
+        kv_heads: c_int,
+        queries: c_int,
+        keys: c_int,
+        head_dim: c_int,
+        k_batch_stride: i64,
+        k_head_stride: i64,
+        k_row_stride: i64,
+        v_batch_stride: i64,
+        v_head_stride: i64,
+        v_row_stride: i64,
+        softmax_scale: f32,
+        stream: *mut c_void,
+    ) -> c_int;
+}
+
+const OP: &str = "causal_attention";
+
+/// Largest head dim of the kernels (the scalar kernel's 16 values per lane).
+const MAX_HEAD_DIM: usize = 512;
+
+/// Elements of 16 bytes in the narrowest dtype (`bf16`/`f16`): the alignment
+/// of the kernels' `cp.async` row loads.
+const ALIGN: usize = 8;
+
+/// CUDA `causal_attention`; arguments already validated by the caller.
+pub(crate) fn causal_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    softmax_scale: f32,
+    dims: &AttentionDims,
+) -> Result<Tensor> {
+    let AttentionDims {
+        batch,
+        heads,
+        kv_heads,
+        queries,
+        keys,
+        head_dim,
+    } = *dims;
+    if head_dim > MAX_HEAD_DIM {
+        return Err(invalid_argument(
+            OP,
+            "q",
+            format!("head dim {head_dim} exceeds the CUDA kernels' {MAX_HEAD_DIM}"),
+        ));
+    }
+    let mut launch = Launch::new(OP, q)?;
+    let q = if q.is_contiguous() && q.layout().start_offset().is_multiple_of(ALIGN) {
+        launch.push_input("q", q.clone())?
+    } else {
+        launch.push_input("q", q.force_contiguous()?)?
+    };
+    let (k, k_strides) = strided_input(&mut launch, "k", k)?;
+    let (v, v_strides) = strided_input(&mut launch, "v", v)?;
+    let dtype = launch.dtype(q);
+    let out = launch.output((batch, heads, queries, head_dim), dtype)?;
+    let outputs = launch.run(|p| {
+        // SAFETY: `q` is contiguous `[batch, heads, queries, head_dim]` and
+        // `out` freshly allocated of that shape; `k` and `v` span
+        // `[batch, kv_heads, keys, head_dim]` at the strides given from their
+        // first elements; all of one dtype, on candle's stream.
+        Ok(unsafe {
+            berrylm_causal_attention(
+                dtype_code(OP, dtype)?,
+                p.input(q),
+                p.input(k),
+                p.input(v),
+                p.output(out),
+                c_size(OP, "q", batch)?,
+                c_size(OP, "q", heads)?,
+                c_size(OP, "k", kv_heads)?,
+                c_size(OP, "q", queries)?,
+                c_size(OP, "k", keys)?,
+                c_size(OP, "q", head_dim)?,
+                k_strides[0],
+                k_strides[1],
+                k_strides[2],
+                v_strides[0],
+                v_strides[1],
+                v_strides[2],
+                softmax_scale,
+                p.stream(),
+            )
+        })
+    })?;
+    Ok(outputs.tensor(out))
+}
+
+/// Declares the rank-4 `tensor` as an input read at its batch, head and row
+/// strides (in elements, returned): in place when its last dimension is
+/// contiguous and its offset and strides are multiples of [`ALIGN`], else a
+/// fresh contiguous copy.
+fn strided_input(
+    launch: &mut Launch,
+    name: &'static str,
+    tensor: &Tensor,
+) -> Result<(In, [i64; 3])> {
+    let layout = tensor.layout();
+    let stride = layout.stride();
+    let dims = layout.dims();
+    let in_place = (stride[3] == 1 || dims[3] == 1)
+        && layout.start_offset().is_multiple_of(ALIGN)
+        && stride[..3].iter().all(|s| s.is_multiple_of(ALIGN));
+    let (tensor, stride) = if in_place {
+        (tensor.clone(), [stride[0], stride[1], stride[2]])
+    } else {
+        let [_, heads, rows, width] = [dims[0], dims[1], dims[2], dims[3]];
+        (
+            tensor.force_contiguous()?,
+            [heads * rows * width, rows * width, width],
+        )
+    };
+    let input = launch.push_input(name, tensor)?;
+    let stride = stride.map(|s| s as i64);
+    Ok((input, stride))
+}
