@@ -129,45 +129,43 @@ scale_serve() {
     return "$code"
 }
 
-# The scale-interference step: 16 streams decode on the 40-layer checkpoint
-# while one $SCALE_LONG_PROMPT-token prompt (default 32768) prefills; the load
-# tool reports their inter-token latency before, during and after it.
-scale_interference() {
-    local code
+# Serves the 40-layer checkpoint (paged attention, a 16 GiB KV pool, at most
+# $1 sequences) and runs the rest of the arguments, a command, against it.
+with_scale_server() {
+    local max_seqs="$1" code
+    shift
     scale_checkpoint || return 1
-    start_server "$SCALE_CHECKPOINT" "$SCALE_PORT" --dtype bf16 --max-seqs 64 --pa-memory-mb 16384
+    start_server "$SCALE_CHECKPOINT" "$SCALE_PORT" --dtype bf16 --max-seqs "$max_seqs" --pa-memory-mb 16384
     code=$?
     if [ "$code" -eq 0 ]; then
-        timeout 480 python3 tools/load_test.py interference --url "http://127.0.0.1:$SCALE_PORT" \
-            --clients "${SCALE_CLIENTS:-16}" --long-prompt-tokens "${SCALE_LONG_PROMPT:-32768}" \
-            ${OUT:+--json "$OUT/interference-40l.json"}
+        "$@"
         code=$?
     fi
     stop_server
     return "$code"
 }
 
-# The scale-soak step: the load tool's soak on the 40-layer checkpoint (paged
-# attention, 256 sequences at most): streamed completions of log-uniform
-# prompts of 16 to 16384 tokens, 10 % of the clients hanging up mid-stream,
-# with the server's /metrics and VmRSS sampled every 5 s.
-scale_soak() {
-    local code
-    scale_checkpoint || return 1
-    start_server "$SCALE_CHECKPOINT" "$SCALE_PORT" --dtype bf16 --max-seqs 256 --pa-memory-mb 16384
-    code=$?
-    if [ "$code" -eq 0 ]; then
-        timeout $((${SOAK_MINUTES:-8} * 60 + 240)) python3 tools/load_test.py soak \
-            --url "http://127.0.0.1:$SCALE_PORT" --plain-endpoint completions \
-            --clients "${SOAK_CLIENTS:-256}" --minutes "${SOAK_MINUTES:-8}" \
-            --max-prompt-tokens 16384 --output-tokens 128 --hangup-fraction 0.1 \
-            --tools-fraction 0 --reasoning-fraction 0 --continue-fraction 0 \
-            --invalid-fraction "${SOAK_INVALID:-0}" --metrics-interval 5 --server-pid "$server" \
-            ${OUT:+--json "$OUT/soak-40l${SOAK_INVALID:+-invalid}.json"}
-        code=$?
-    fi
-    stop_server
-    return "$code"
+# The scale-interference step: 16 streams decode on the 40-layer checkpoint
+# while one $SCALE_LONG_PROMPT-token prompt (default 32768) prefills; the load
+# tool reports their inter-token latency before, during and after it.
+interference_clients() {
+    timeout 480 python3 tools/load_test.py interference --url "http://127.0.0.1:$SCALE_PORT" \
+        --clients "${SCALE_CLIENTS:-16}" --long-prompt-tokens "${SCALE_LONG_PROMPT:-32768}" \
+        ${OUT:+--json "$OUT/interference-40l.json"}
+}
+
+# The scale-soak step: the load tool's soak on the 40-layer checkpoint (256
+# sequences at most): streamed completions of log-uniform prompts of 16 to
+# 16384 tokens, 10 % of the clients hanging up mid-stream, with the server's
+# /metrics and VmRSS sampled every 5 s.
+soak_clients() {
+    timeout $((${SOAK_MINUTES:-8} * 60 + 240)) python3 tools/load_test.py soak \
+        --url "http://127.0.0.1:$SCALE_PORT" --plain-endpoint completions \
+        --clients "${SOAK_CLIENTS:-256}" --minutes "${SOAK_MINUTES:-8}" \
+        --max-prompt-tokens 16384 --output-tokens 128 --hangup-fraction 0.1 \
+        --tools-fraction 0 --reasoning-fraction 0 --continue-fraction 0 \
+        --invalid-fraction "${SOAK_INVALID:-0}" --metrics-interval 5 --server-pid "$server" \
+        ${OUT:+--json "$OUT/soak-$(basename "$SCALE_CHECKPOINT")${SOAK_INVALID:+-invalid}.json"}
 }
 
 # The e2e step: writes the checkpoint (once per machine), measures the model
@@ -251,8 +249,8 @@ step() {
         --prefill "${SCALE_PREFILL:-4096,16384}" --decode 1,64,256 --no-kernels \
         ${OUT:+--json "$OUT/bench-40l.json"} ;;
     scale-serve) scale_serve ;;
-    scale-interference) scale_interference ;;
-    scale-soak) scale_soak ;;
+    scale-interference) with_scale_server 64 interference_clients ;;
+    scale-soak) with_scale_server 256 soak_clients ;;
     model-errors) cc -O2 -shared -fPIC -o "$BIN/libcuda_fault_shim.so" tools/cuda_fault_shim.c -ldl &&
         BERRYLM_CUDA_FAULT_SHIM="$BIN/libcuda_fault_shim.so" \
         BERRYLM_SERVER_ARGS="--paged-attn on --pa-memory-mb 1024" \

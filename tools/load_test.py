@@ -1730,6 +1730,9 @@ async def run_soak(args, client):
                     history = messages + [record.assistant_message()]
                 elif record.failed:
                     history = None
+                    if args.server_pid and not os.path.exists(f"/proc/{args.server_pid}"):
+                        state["server_exited"] = True
+                        return  # nobody left to answer
                     await asyncio.sleep(0.2)  # no busy loop against a failing server
 
         scraping = asyncio.ensure_future(scraper())
@@ -1803,6 +1806,7 @@ async def run_soak(args, client):
         "itl_p50_ms": ms_or_none(percentile(gaps, 0.50)),
         "itl_p99_ms": ms_or_none(percentile(gaps, 0.99)),
         "metrics_endpoint": state["metrics_endpoint"],
+        "server_exited": state.get("server_exited", False),
         "rss_source": rss_source,
         "rss_first_minute_bytes": rss_first_minute,
         "rss_end_bytes": rss_end,
@@ -1830,6 +1834,8 @@ async def run_soak(args, client):
             show = mib if key.endswith("_bytes") else (lambda value: "-" if value is None else f"{value:g}")
             rows.append((f"{key.replace('_', ' ')}: peak / end", f"{show(occupancy['peak'][key])} / "
                          f"{show(occupancy['end'].get(key))}"))
+    if state.get("server_exited"):
+        rows.append(("server", f"pid {args.server_pid} exited during the run: the clients stopped"))
     if occupancy["idle_at_end"] is False:
         rows.append(("end", f"still busy {args.idle_timeout_s:g} s after the clients"))
     print_table(["figure", "value"], [list(row) for row in rows])

@@ -29,10 +29,25 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import load_test  # noqa: E402
 
 
+def invalid_value(request):
+    """What is invalid in a request (the values the soak's --invalid-fraction sends), or None."""
+    if (request.get("temperature") or 0) < 0:
+        return "temperature must be at least 0"
+    if request.get("top_logprobs") is not None and not 0 <= request["top_logprobs"] <= 20:
+        return "top_logprobs must be 0-20"
+    if (request.get("n") or 1) > 128:
+        return "n is too large"
+    if request.get("model", "default") != "default":
+        return "unknown model"
+    if (request.get("max_tokens") or 1) < 0:
+        return "max_tokens must be positive"
+    return None
+
+
 class FakeServer:
     def __init__(self, *, accept_token_ids=False, metrics=None, fail_every=0, fail_status=500,
                  ttft_base_s=0.005, ttft_per_token_s=0.0002, itl_s=0.004, long_threshold=None,
-                 long_stall_s=0.5, garbage=None):
+                 long_stall_s=0.5, garbage=None, validates=True):
         self.accept_token_ids = accept_token_ids
         self.metrics = metrics
         self.fail_every = fail_every
@@ -43,6 +58,7 @@ class FakeServer:
         self.long_threshold = long_threshold
         self.long_stall_s = long_stall_s
         self.garbage = garbage  # None, "not-json", "truncate", "bad-chunk"
+        self.validates = validates  # refuse invalid values with a 4xx, as mistral.rs with the seam does
         self.lock = threading.Lock()
         self.stall_until = 0.0
         self.streams = 0
@@ -93,6 +109,10 @@ class FakeServer:
                                         b"invalid type: sequence, expected a string", "text/plain")
                         return
                     prompt_tokens = len(prompt) if isinstance(prompt, list) else len(str(prompt).split())
+                if server.validates and invalid_value(request):
+                    self.reply(422, json.dumps({"error": {"message": invalid_value(request),
+                                                          "type": "invalid_request_error"}}).encode())
+                    return
                 max_tokens = int(request.get("max_tokens") or 16)
                 if not request.get("stream"):
                     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 1, "total_tokens": prompt_tokens + 1}
@@ -403,6 +423,21 @@ def test_soak_http_500_is_an_error_and_a_nonzero_exit():
     assert set(figures["errors_by_kind"]) == {"http_500"}
     assert "injected failure" in figures["errors_by_kind"]["http_500"]["samples"][0]
     assert "errors by kind" in out
+
+
+def test_soak_invalid_requests_must_be_refused():
+    with FakeServer() as server:
+        status, out, figures = run_tool(soak_args(server, "--hangup-fraction", "0", "--invalid-fraction", "0.4"))
+    assert status == 0, out
+    assert figures["refused"] > 0 and figures["errors"] == 0
+    assert figures["by_request_kind"]["invalid"]["refused"] == figures["refused"]
+    assert figures["completed"] + figures["refused"] == figures["requests"]
+    assert "refused with a 4xx" in out
+    # A server that accepts them fails the soak: each answered invalid request is an error.
+    with FakeServer(validates=False) as server:
+        status, out, figures = run_tool(soak_args(server, "--hangup-fraction", "0", "--invalid-fraction", "0.4"))
+    assert status == 1, out
+    assert figures["refused"] == 0 and set(figures["errors_by_kind"]) == {"invalid_not_refused"}
 
 
 def test_soak_scrapes_prometheus_metrics():

@@ -12,6 +12,7 @@ use candle_core::{DType, Device, Tensor};
 pub use berrylm::driver::{load_checkpoint, Driver};
 
 pub mod chat;
+pub mod metrics;
 pub mod server;
 
 /// Every fixture vendored from the golden set.

@@ -9,16 +9,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 use berrylm_tests::fixtures_dir;
+use berrylm_tests::metrics::{
+    finished_for, ITL, RSS, RUNNING, SLOTS_IN_USE, SLOTS_TOTAL, TOKENS, TTFT, WAITING,
+};
 use berrylm_tests::server::Server;
-
-const RUNNING: &str = "mistralrs:num_requests_running";
-const WAITING: &str = "mistralrs:num_requests_waiting";
-const SLOTS_IN_USE: &str = "mistralrs:recurrent_state_slots_in_use";
-const SLOTS_TOTAL: &str = "mistralrs:recurrent_state_slots_total";
-const TOKENS: &str = "mistralrs:generation_tokens_total";
-const TTFT: &str = "mistralrs:time_to_first_token_seconds";
-const ITL: &str = "mistralrs:inter_token_latency_seconds";
-const RSS: &str = "mistralrs:process_resident_memory_bytes";
 
 type Metrics = BTreeMap<String, f64>;
 
@@ -29,10 +23,7 @@ fn value(metrics: &Metrics, name: &str) -> f64 {
 }
 
 fn finished(metrics: &Metrics, reason: &str) -> f64 {
-    value(
-        metrics,
-        &format!("mistralrs:request_finished_total{{finished_reason=\"{reason}\"}}"),
-    )
+    value(metrics, &finished_for(reason))
 }
 
 /// Polls `/metrics` until no sequence runs or waits and the recurrent slots

@@ -15,16 +15,13 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
+use berrylm_tests::metrics::{finished_for, KV_BLOCKS_IN_USE, RUNNING, SLOTS_IN_USE, WAITING};
 use berrylm_tests::server::Server;
 use berrylm_tests::Fixture;
 use candle_core::{DType, Device, Tensor};
 
 const COMPLETIONS: &str = "/v1/completions";
 const CHAT: &str = "/v1/chat/completions";
-const SLOTS_IN_USE: &str = "mistralrs:recurrent_state_slots_in_use";
-const RUNNING: &str = "mistralrs:num_requests_running";
-const WAITING: &str = "mistralrs:num_requests_waiting";
-const KV_BLOCKS_IN_USE: &str = "mistralrs:kv_cache_blocks_in_use";
 
 /// The bundled model's token `~`, which the good prompts below never contain.
 const TILDE: usize = 102;
@@ -284,11 +281,7 @@ fn joined<T>(handle: thread::ScopedJoinHandle<'_, T>) -> T {
 }
 
 fn finished_with_error(server: &Server) -> Result<f64> {
-    Ok(metrics_value(
-        server,
-        "mistralrs:request_finished_total{finished_reason=\"error\"}",
-    )?
-    .unwrap_or(0.0))
+    Ok(metrics_value(server, &finished_for("error"))?.unwrap_or(0.0))
 }
 
 /// Sets row `row` of the embedding table of the checkpoint in `dir` to NaN.
@@ -352,10 +345,22 @@ impl FaultInjector {
         )
     }
 
-    /// From now on the driver fails: `once` the next kernel launch (out of
-    /// memory), `sticky` every launch (an illegal address).
-    fn fire(&self, mode: &str) -> Result<()> {
-        Ok(std::fs::write(&self.trigger, mode)?)
+    /// Starts two long streams on `server`, then makes the driver fail
+    /// (`once`: the next kernel launch, out of memory; `sticky`: every launch
+    /// from then on, an illegal address), and asserts that each stream ended
+    /// with an OpenAI error object naming `driver_error`.
+    fn fail_streams(&self, server: &Server, mode: &str, driver_error: &str) -> Result<()> {
+        let answers = thread::scope(|scope| -> Result<Vec<Answer>> {
+            let streams = long_streams(scope, server, 2)?;
+            std::fs::write(&self.trigger, mode)?;
+            streams.into_iter().map(joined).collect()
+        })?;
+        for answer in &answers {
+            let error = error_object(answer, 500..600)?;
+            let message = error["message"].as_str().unwrap_or_default();
+            ensure!(message.contains(driver_error), "{mode}: {error}");
+        }
+        Ok(())
     }
 }
 
@@ -396,21 +401,7 @@ fn a_failed_forward_step_fails_its_requests_and_the_server_serves_on() -> Result
     let injector = FaultInjector::new("once")?;
     let server = injector.start_server()?;
     let alone = good_answers(&server)?;
-    let answers = thread::scope(|scope| -> Result<Vec<Answer>> {
-        let streams = long_streams(scope, &server, 2)?;
-        injector.fire("once")?;
-        streams.into_iter().map(joined).collect()
-    })?;
-    for answer in &answers {
-        let error = error_object(answer, 500..600)?;
-        assert!(
-            error["message"]
-                .as_str()
-                .unwrap_or_default()
-                .contains("CUDA_ERROR_OUT_OF_MEMORY"),
-            "{error}"
-        );
-    }
+    injector.fail_streams(&server, "once", "CUDA_ERROR_OUT_OF_MEMORY")?;
     assert_everything_freed(&server)?;
     assert_eq!(
         good_answers(&server)?,
@@ -431,21 +422,7 @@ fn a_sticky_device_error_answers_the_requests_in_flight_and_ends_the_server_with
     let injector = FaultInjector::new("sticky")?;
     let mut server = injector.start_server()?;
     good_answers(&server)?;
-    let answers = thread::scope(|scope| -> Result<Vec<Answer>> {
-        let streams = long_streams(scope, &server, 2)?;
-        injector.fire("sticky")?;
-        streams.into_iter().map(joined).collect()
-    })?;
-    for answer in &answers {
-        let error = error_object(answer, 500..600)?;
-        assert!(
-            error["message"]
-                .as_str()
-                .unwrap_or_default()
-                .contains("CUDA_ERROR_ILLEGAL_ADDRESS"),
-            "{error}"
-        );
-    }
+    injector.fail_streams(&server, "sticky", "CUDA_ERROR_ILLEGAL_ADDRESS")?;
     let status = server
         .wait_for_exit(Duration::from_secs(30))?
         .context("the server still runs 30 s after a sticky device error")?;

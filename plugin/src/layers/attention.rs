@@ -3,6 +3,12 @@
 //! The norm and rotation of q and of k, and the output gate, are one kernel
 //! each (`berrylm_kernels`), reading the query and gate halves of `q_proj`'s
 //! output in place.
+//!
+//! On CUDA in bf16/f16 a prompt's attention is `berrylm_kernels::causal_attention`
+//! (tiled, no score matrix in memory) over the contiguous cache, and over the
+//! prompt's own keys and values under paged attention (a prompt without a
+//! cached prefix; prefix hits take the host's path, which gathers the cached
+//! blocks). The CPU and f32 keep the reference's eager attention.
 
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::ops::softmax_last_dim;
@@ -118,14 +124,18 @@ impl GatedAttention {
             let q = q_all.reshape((batch, seq_len, self.num_heads, self.head_dim))?;
             (q, None)
         };
-        let k = k.reshape((batch, seq_len, self.num_kv_heads, self.head_dim))?;
-        let v = v.reshape((batch, seq_len, self.num_kv_heads, self.head_dim))?;
+        let v_tokens = v.reshape((batch, seq_len, self.num_kv_heads, self.head_dim))?;
         let q = self.q_norm.forward_rope(&q, cos, sin)?;
-        let k = self.k_norm.forward_rope(&k, cos, sin)?;
+        let k_tokens = self.k_norm.forward_rope(
+            &k.reshape((batch, seq_len, self.num_kv_heads, self.head_dim))?,
+            cos,
+            sin,
+        )?;
 
         let q = q.transpose(1, 2)?.contiguous()?;
-        let k = k.transpose(1, 2)?.contiguous()?;
-        let v = v.transpose(1, 2)?.contiguous()?;
+        let k = k_tokens.transpose(1, 2)?.contiguous()?;
+        let v = v_tokens.transpose(1, 2)?.contiguous()?;
+        let tiled = uses_tiled_attention(&q);
         let attended = match (kv, &self.paged) {
             (
                 AttentionKv::Paged {
@@ -133,17 +143,24 @@ impl GatedAttention {
                     metadata,
                 },
                 Some(paged),
-            ) => paged.forward(
-                &q,
-                &k,
-                &v,
-                mask,
-                Some(key_value.0),
-                Some(key_value.1),
-                metadata,
-                &self.sdpa_params,
-                Some(flash_params),
-            )?,
+            ) => {
+                if tiled && is_uncached_prompt(mask, metadata, &key_value.0, &q) {
+                    write_paged_cache(&k_tokens, &v_tokens, &key_value, metadata)?;
+                    self.causal_attention(&q, &k, &v)?
+                } else {
+                    paged.forward(
+                        &q,
+                        &k,
+                        &v,
+                        mask,
+                        Some(key_value.0),
+                        Some(key_value.1),
+                        metadata,
+                        &self.sdpa_params,
+                        Some(flash_params),
+                    )?
+                }
+            }
             (AttentionKv::Paged { .. }, None) => {
                 candle_core::bail!(
                     "paged KV blocks were given to a layer built without paged attention"
@@ -151,7 +168,11 @@ impl GatedAttention {
             }
             (AttentionKv::Contiguous(cache), _) => {
                 let (k, v) = cache.append(&k, &v)?;
-                self.eager_attention(&q, &k, &v, mask)?
+                if tiled {
+                    self.causal_attention(&q, &k, &v)?
+                } else {
+                    self.eager_attention(&q, &k, &v, mask)?
+                }
             }
         };
         // Attention over a prompt is `[B, heads, T, hd]`; the paged decode
@@ -168,6 +189,18 @@ impl GatedAttention {
         };
         self.o_proj
             .forward(&out.reshape((batch, seq_len, self.num_heads * self.head_dim))?)
+    }
+
+    /// Causal attention of the last `T` of `L` positions (queries `[B, heads,
+    /// T, hd]`, keys and values `[B, kv_heads, L, hd]`), tiled: what the causal
+    /// mask of a prompt, or no mask for one decoded token, asks for.
+    fn causal_attention(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        Ok(berrylm_kernels::causal_attention(
+            q,
+            k,
+            v,
+            self.sdpa_params.softmax_scale,
+        )?)
     }
 
     /// The reference's eager attention: `softmax(q k^T * scale + mask)` in f32,
@@ -227,4 +260,60 @@ impl GatedAttention {
         let probs = softmax_last_dim(&scores.to_dtype(DType::F32)?)?.to_dtype(q.dtype())?;
         matmul(&probs, v)?.reshape((batch, heads, queries, head_dim))
     }
+}
+
+/// Whether attention runs tiled (`berrylm_kernels::causal_attention`): on
+/// CUDA in half precision. The CPU, the oracle, and f32 keep the eager path.
+fn uses_tiled_attention(q: &Tensor) -> bool {
+    q.device().is_cuda() && matches!(q.dtype(), DType::BF16 | DType::F16)
+}
+
+/// Whether a paged step is a prompt (it has a mask) without a cached prefix,
+/// into a cache of the activations' dtype (not an FP8 one): attention then
+/// needs the prompt's own keys and values only.
+fn is_uncached_prompt(
+    mask: Option<&Tensor>,
+    metadata: &PagedAttentionInputMetadata,
+    key_cache: &Tensor,
+    q: &Tensor,
+) -> bool {
+    mask.is_some() && metadata.num_cached_tokens.is_none() && key_cache.dtype() == q.dtype()
+}
+
+/// Writes a prompt's keys and values (`[B, T, kv_heads, hd]`) into its paged
+/// blocks at the slots the host assigned (padding has none).
+#[cfg(feature = "cuda")]
+fn write_paged_cache(
+    k_tokens: &Tensor,
+    v_tokens: &Tensor,
+    (key_cache, value_cache): &(Tensor, Tensor),
+    metadata: &PagedAttentionInputMetadata,
+) -> Result<()> {
+    let slots = metadata
+        .slot_mappings
+        .get(&k_tokens.device().location())
+        .ok_or_else(|| candle_core::Error::Msg("no paged slots for this device".into()))?
+        .flatten_all()?;
+    let (_, _, kv_heads, head_dim) = k_tokens.dims4()?;
+    let rows = ((), kv_heads, head_dim);
+    mistralrs_paged_attn::reshape_and_cache(
+        &k_tokens.reshape(rows)?,
+        &v_tokens.reshape(rows)?,
+        None,
+        None,
+        key_cache,
+        value_cache,
+        &slots,
+    )
+}
+
+/// Paged attention exists only in CUDA builds.
+#[cfg(not(feature = "cuda"))]
+fn write_paged_cache(
+    _k_tokens: &Tensor,
+    _v_tokens: &Tensor,
+    _key_value: &(Tensor, Tensor),
+    _metadata: &PagedAttentionInputMetadata,
+) -> Result<()> {
+    candle_core::bail!("paged attention needs a CUDA build")
 }
