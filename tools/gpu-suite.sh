@@ -23,7 +23,7 @@
 # scale-interference (16 streams on that checkpoint while a
 # $SCALE_LONG_PROMPT-token prompt, default 32768, prefills), scale-soak (the
 # load tool's soak on that checkpoint: $SOAK_CLIENTS clients, default 256, for
-# $SOAK_MINUTES, default 8, 10 % hang-ups, $SOAK_INVALID of invalid requests,
+# $SOAK_MINUTES whole minutes, default 8, 10 % hang-ups, $SOAK_INVALID of invalid requests,
 # default 0), model-errors (model errors through the server with paged
 # attention: a NaN checkpoint and a tokenizer beyond the embedding table, then
 # a failed forward step and a sticky device error injected under the driver by
