@@ -28,20 +28,22 @@ use serde_json::{json, Map, Value};
 use crate::schema::{admits_only_strings, ToolSchema};
 
 /// The output holds no special token after the reasoning, `<tool_call>`
-/// included: text only (the end of the turn stays allowed).
-pub const NO_TOOL_CALL_GRAMMAR: &str = "start: TEXT?\nTEXT: /(?s:.+)/\n";
+/// included: text, then the end of the turn (`<|im_end|>`, a special token
+/// too, which the grammar names so that the answer can end).
+pub const NO_TOOL_CALL_GRAMMAR: &str = "start: TEXT? <|im_end|>\nTEXT: /(?s:.+)/\n";
 
-/// One or more calls, each to one of `tools`. `None` without tools.
+/// One or more calls, each to one of `tools`, then the end of the turn.
+/// `None` without tools.
 pub fn required_tool_calls_grammar(tools: &[ToolSchema]) -> Option<String> {
     if tools.is_empty() {
         return None;
     }
-    Some(grammar("start: (SEP? call)+", tools))
+    Some(grammar("start: (SEP? call)+ <|im_end|>", tools))
 }
 
-/// Exactly one call, to `tool`.
+/// Exactly one call, to `tool`, then the end of the turn.
 pub fn named_tool_call_grammar(tool: &ToolSchema) -> String {
-    grammar("start: SEP? call", std::slice::from_ref(tool))
+    grammar("start: SEP? call <|im_end|>", std::slice::from_ref(tool))
 }
 
 fn grammar(start: &str, tools: &[ToolSchema]) -> String {
@@ -179,7 +181,7 @@ mod tests {
         assert_eq!(
             lines,
             [
-                "start: (SEP? call)+",
+                "start: (SEP? call)+ <|im_end|>",
                 "SEP: /\\n+/",
                 "call: <tool_call> \"\\n<function=\" (function_0 | function_1) \"</function>\\n\" </tool_call>",
                 "function_0: \"get_weather>\\n\" parameter_0_0 parameter_0_1? parameter_0_2?",
@@ -200,7 +202,10 @@ mod tests {
     fn named_offers_only_that_tool_once() {
         let tools = tools();
         let grammar = named_tool_call_grammar(&tools[1]);
-        assert!(grammar.starts_with("start: SEP? call\n"), "{grammar}");
+        assert!(
+            grammar.starts_with("start: SEP? call <|im_end|>\n"),
+            "{grammar}"
+        );
         assert!(grammar.contains("(function_0)"), "{grammar}");
         assert!(grammar.contains("function_0: \"ping>\\n\""), "{grammar}");
         assert!(!grammar.contains("get_weather"), "{grammar}");
