@@ -25,7 +25,7 @@ pub struct BerryLmOutputParser {
 /// How the output is split up.
 enum Stream {
     /// Reasoning, content and tool calls.
-    WithToolCalls(BerryLmStreamParser),
+    WithToolCalls(Box<BerryLmStreamParser>),
     /// `tool_choice: none`: reasoning and content only; no call is parsed.
     WithoutToolCalls(ReasoningParser),
 }
@@ -60,7 +60,7 @@ impl BerryLmOutputParser {
         let options = ParserOptions::new(thinking_enabled, tools);
         let stream = match request.tool_choice {
             ToolChoice::None => Stream::WithoutToolCalls(ReasoningParser::new(thinking_enabled)),
-            _ => Stream::WithToolCalls(BerryLmStreamParser::new(options.clone())),
+            _ => Stream::WithToolCalls(Box::new(BerryLmStreamParser::new(options.clone()))),
         };
         BerryLmOutputParser {
             stream,
