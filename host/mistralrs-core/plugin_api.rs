@@ -208,6 +208,8 @@ pub struct ChatOutputRequest<'a> {
     pub prompt: &'a str,
     /// The request's tool definitions, with their JSON schemas.
     pub tools: &'a [crate::Tool],
+    /// The request's `tool_choice` (`auto` when it gave none).
+    pub tool_choice: &'a crate::ToolChoice,
 }
 
 /// Parts of an assistant message that a chat output parser recognised.
@@ -232,4 +234,15 @@ pub trait ChatOutputParser: Send + Sync {
     fn parse_complete(&mut self, text: &str) -> ParsedOutput;
     /// Whether any tool call was recognised so far.
     fn has_tool_calls(&self) -> bool;
+    /// The grammar the request's `tool_choice` needs in this model's format
+    /// (`required` or a named function: a tool call forced; `none`: none
+    /// started). It constrains the output as a request's own grammar does.
+    fn tool_choice_constraint(&self) -> Option<crate::Constraint> {
+        None
+    }
+    /// When the output starts inside a reasoning block: the special token
+    /// that ends it. Grammars then constrain only what follows that token.
+    fn reasoning_end_token(&self) -> Option<&str> {
+        None
+    }
 }

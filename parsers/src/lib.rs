@@ -26,6 +26,7 @@
 //!   JSON.
 
 mod arguments;
+mod grammar;
 mod ids;
 mod json;
 mod lexer;
@@ -37,6 +38,7 @@ mod schema;
 mod stream;
 mod tool_call;
 
+pub use grammar::{named_tool_call_grammar, required_tool_calls_grammar, NO_TOOL_CALL_GRAMMAR};
 pub use ids::{RandomToolCallIds, SequentialToolCallIds, ToolCallIdSource};
 pub use message::{parse_message, AssistantMessage, MessageAssembler};
 pub use options::ParserOptions;

@@ -108,9 +108,7 @@ impl ToolSchema {
     pub(crate) fn streams_as_text(&self, parameter: &str) -> bool {
         match self.properties() {
             None => true,
-            Some(properties) => properties
-                .get(parameter)
-                .is_some_and(|schema| TypeSet::of_schema(schema) == TypeSet::STRING),
+            Some(properties) => properties.get(parameter).is_some_and(admits_only_strings),
         }
     }
 
@@ -125,6 +123,12 @@ impl ToolSchema {
             _ => Value::String(text.to_owned()),
         }
     }
+}
+
+/// Whether `schema` admits strings and nothing else (its values are raw
+/// text in a call).
+pub(crate) fn admits_only_strings(schema: &Value) -> bool {
+    TypeSet::of_schema(schema) == TypeSet::STRING
 }
 
 /// The set of JSON types a schema admits.

@@ -1,19 +1,33 @@
 //! BerryLM's reasoning and tool-call parsers as the host's chat output parser.
 
 use berrylm_parsers::{
-    parse_message, BerryLmStreamParser, Delta, ParserOptions, RandomToolCallIds, ToolSchema,
+    named_tool_call_grammar, parse_message, parse_reasoning, required_tool_calls_grammar,
+    BerryLmStreamParser, Delta, ParserOptions, RandomToolCallIds, ReasoningDelta, ReasoningParser,
+    ToolSchema, NO_TOOL_CALL_GRAMMAR,
 };
 use mistralrs_core::plugin_api::{ChatOutputParser, ChatOutputRequest, ParsedOutput};
-use mistralrs_core::{CalledFunction, ToolCallResponse, ToolCallType};
+use mistralrs_core::{CalledFunction, Constraint, ToolCallResponse, ToolCallType, ToolChoice};
 
 /// The chat template opens the reasoning block at the end of the prompt when
 /// thinking is enabled; the output then starts inside it.
 const THINK_OPEN: &str = "<think>";
+/// The special token that ends the reasoning.
+const THINK_CLOSE: &str = "</think>";
 
 pub struct BerryLmOutputParser {
     options: ParserOptions,
-    stream: BerryLmStreamParser,
+    stream: Stream,
     saw_tool_call: bool,
+    /// The grammar `tool_choice` needs: a forced call, or none.
+    tool_choice_grammar: Option<String>,
+}
+
+/// How the output is split up.
+enum Stream {
+    /// Reasoning, content and tool calls.
+    WithToolCalls(Box<BerryLmStreamParser>),
+    /// `tool_choice: none`: reasoning and content only; no call is parsed.
+    WithoutToolCalls(ReasoningParser),
 }
 
 impl BerryLmOutputParser {
@@ -33,11 +47,26 @@ impl BerryLmOutputParser {
                 Vec::new()
             }
         };
+        let tool_choice_grammar = match request.tool_choice {
+            ToolChoice::Auto => None,
+            ToolChoice::None if request.tools.is_empty() => None,
+            ToolChoice::None => Some(NO_TOOL_CALL_GRAMMAR.to_owned()),
+            ToolChoice::Required => required_tool_calls_grammar(&tools),
+            ToolChoice::Tool(chosen) => tools
+                .iter()
+                .find(|tool| tool.name == chosen.function.name)
+                .map(named_tool_call_grammar),
+        };
         let options = ParserOptions::new(thinking_enabled, tools);
+        let stream = match request.tool_choice {
+            ToolChoice::None => Stream::WithoutToolCalls(ReasoningParser::new(thinking_enabled)),
+            _ => Stream::WithToolCalls(Box::new(BerryLmStreamParser::new(options.clone()))),
+        };
         BerryLmOutputParser {
-            stream: BerryLmStreamParser::new(options.clone()),
+            stream,
             options,
             saw_tool_call: false,
+            tool_choice_grammar,
         }
     }
 
@@ -87,18 +116,43 @@ fn tool_call(index: usize, id: String, name: String, arguments: String) -> ToolC
     }
 }
 
+/// The reasoning parser's pieces as the full parser's deltas.
+fn reasoning_deltas(deltas: Vec<ReasoningDelta>) -> Vec<Delta> {
+    deltas
+        .into_iter()
+        .map(|delta| match delta {
+            ReasoningDelta::Reasoning(text) => Delta::Reasoning(text),
+            ReasoningDelta::Content(text) => Delta::Content(text),
+        })
+        .collect()
+}
+
 impl ChatOutputParser for BerryLmOutputParser {
     fn push(&mut self, text: &str) -> ParsedOutput {
-        let deltas = self.stream.push(text);
+        let deltas = match &mut self.stream {
+            Stream::WithToolCalls(stream) => stream.push(text),
+            Stream::WithoutToolCalls(stream) => reasoning_deltas(stream.push(text)),
+        };
         self.collect(deltas)
     }
 
     fn finish(&mut self) -> ParsedOutput {
-        let deltas = self.stream.finish();
+        let deltas = match &mut self.stream {
+            Stream::WithToolCalls(stream) => stream.finish(),
+            Stream::WithoutToolCalls(stream) => reasoning_deltas(stream.finish()),
+        };
         self.collect(deltas)
     }
 
     fn parse_complete(&mut self, text: &str) -> ParsedOutput {
+        if let Stream::WithoutToolCalls(_) = self.stream {
+            let split = parse_reasoning(text, self.options.thinking_enabled);
+            return ParsedOutput {
+                content: split.content,
+                reasoning_content: split.reasoning,
+                tool_calls: Vec::new(),
+            };
+        }
         let message = parse_message(text, &self.options, RandomToolCallIds::default());
         self.saw_tool_call |= !message.tool_calls.is_empty();
         ParsedOutput {
@@ -115,5 +169,13 @@ impl ChatOutputParser for BerryLmOutputParser {
 
     fn has_tool_calls(&self) -> bool {
         self.saw_tool_call
+    }
+
+    fn tool_choice_constraint(&self) -> Option<Constraint> {
+        self.tool_choice_grammar.clone().map(Constraint::Lark)
+    }
+
+    fn reasoning_end_token(&self) -> Option<&str> {
+        self.options.thinking_enabled.then_some(THINK_CLOSE)
     }
 }

@@ -9,6 +9,7 @@ use mistralrs_core::plugin_api::{
     chat_output_parser_named, lookup_normal_loader, registered_chat_output_parsers,
     select_chat_output_parser, ChatOutputRequest,
 };
+use mistralrs_core::ToolChoice;
 
 /// Loads, through the host, a folder holding `config.json` and the tokenizer
 /// and weights of the small-hybrid fixture (which do not fit a default-shaped
@@ -72,6 +73,7 @@ async fn registered_names_resolve_and_unknown_names_do_not() -> Result<()> {
     let request = ChatOutputRequest {
         prompt: "<|im_start|>assistant\n<think>\n",
         tools: &[],
+        tool_choice: &ToolChoice::Auto,
     };
     for name in [&registry.parsers.reasoning, &registry.parsers.tool_call] {
         let mut parser = chat_output_parser_named(name, &request)

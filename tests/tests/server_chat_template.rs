@@ -2,7 +2,8 @@
 //! the prompts transformers renders (`rendered_prompt` in trained-tiny's
 //! golden.json): Python's `tojson` spacing, tool schemas in the client's key
 //! order, history tool-call arguments as mappings, history `reasoning_content`.
-//! And a reasoning + parallel-tool-call text forced by a grammar comes back as
+//! And the model's own reasoning followed by parallel tool calls forced by a
+//! grammar (which applies after the reasoning) come back as
 //! `reasoning_content` and schema-typed `tool_calls`, streamed and not.
 
 use anyhow::{Context, Result};
@@ -60,13 +61,13 @@ fn the_server_renders_every_golden_prompt_exactly_as_transformers() -> Result<()
 }
 
 /// Token ids of the special tokens the grammar emits (trained-tiny's tokenizer).
-const THINK_END: u32 = 4;
 const TOOL_CALL: u32 = 5;
 const TOOL_CALL_END: u32 = 6;
 const IM_END: u32 = 2;
 
-/// A lark grammar that admits exactly one output: reasoning, then two
-/// parallel calls whose values need the schema to be typed.
+/// A lark grammar that admits exactly one answer after the reasoning (which
+/// a grammar leaves free when the template opened `<think>`): two parallel
+/// calls whose values need the schema to be typed.
 fn pinned_output_grammar() -> String {
     let call = |name: &str, parameters: &[(&str, &str)]| {
         let mut text = format!("\\n<function={name}>\\n");
@@ -77,13 +78,19 @@ fn pinned_output_grammar() -> String {
         format!("<[{TOOL_CALL}]> \"{text}\" <[{TOOL_CALL_END}]>")
     };
     format!(
-        "start: \"Two cities, two calls.\\n\" <[{THINK_END}]> \"\\n\\n\" {} \"\\n\" {} <[{IM_END}]>",
+        "start: \"\\n\\n\" {} \"\\n\" {} <[{IM_END}]>",
         call("get_weather", &[("city", "Oslo"), ("days", "3")]),
         call("get_time", &[("city", "Lima")]),
     )
 }
 
 fn pinned_request(fixture: &Fixture, stream: bool) -> Value {
+    let mut request = free_request(fixture, stream);
+    request["grammar"] = json!({"type": "lark", "value": pinned_output_grammar()});
+    request
+}
+
+fn free_request(fixture: &Fixture, stream: bool) -> Value {
     json!({
         "model": "default",
         "messages": [{"role": "user", "content": "Weather in Oslo for 3 days, and the time in Lima?"}],
@@ -91,7 +98,6 @@ fn pinned_request(fixture: &Fixture, stream: bool) -> Value {
         "temperature": 0.0,
         "max_tokens": 128,
         "stream": stream,
-        "grammar": {"type": "lark", "value": pinned_output_grammar()},
     })
 }
 
@@ -104,9 +110,19 @@ fn a_pinned_output_gives_reasoning_and_typed_parallel_tool_calls() -> Result<()>
         ("get_time", json!({"city": "Lima"})),
     ];
 
+    // The reasoning the model writes by itself, which the grammar leaves as is.
+    let (status, free) = server.post("/v1/chat/completions", &free_request(&fixture, false))?;
+    assert_eq!(status, 200, "{free}");
+    let reasoning = free["choices"][0]["message"]["reasoning_content"]
+        .as_str()
+        .map(str::trim)
+        .filter(|reasoning| !reasoning.is_empty())
+        .context("the free answer has no reasoning")?
+        .to_string();
+
     let (status, response) =
         server.post("/v1/chat/completions", &pinned_request(&fixture, false))?;
-    let message = tool_call_message(status, &response, "Two cities, two calls.");
+    let message = tool_call_message(status, &response, &reasoning);
     let calls = message["tool_calls"].as_array().context("tool_calls")?;
     assert_eq!(calls.len(), expected_calls.len(), "{response}");
     for (call, (name, args)) in calls.iter().zip(&expected_calls) {
@@ -126,7 +142,7 @@ fn a_pinned_output_gives_reasoning_and_typed_parallel_tool_calls() -> Result<()>
     assert_eq!(finish_reason.as_deref(), Some("tool_calls"), "{chunks:?}");
     assert_eq!(
         streamed["reasoning_content"].as_str().map(str::trim),
-        Some("Two cities, two calls.")
+        Some(reasoning.as_str())
     );
     let calls = streamed["tool_calls"].as_array().context("tool_calls")?;
     assert_eq!(calls.len(), expected_calls.len(), "{chunks:?}");

@@ -2,7 +2,7 @@
 //! registered chat output parser for a model of any architecture: a BerryLM
 //! fine-tune saved as `LlamaForCausalLM` (here a random-weight Llama with
 //! trained-tiny's tokenizer and chat template, written by the test) gets
-//! BerryLM's reasoning and typed tool calls, where without the options it gets
+//! BerryLM's typed tool calls, where without the options it gets
 //! the host's own parsing. An unknown name stops the server at start with the
 //! registered names.
 
@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use berrylm_tests::chat::{arguments, assemble, tool_call_message};
+use berrylm_tests::chat::{arguments, assemble};
 use berrylm_tests::server::Server;
 use berrylm_tests::{fixtures_dir, host_binary};
 use candle_core::{DType, Device, Tensor};
@@ -96,23 +96,18 @@ fn scratch_dir(name: &str) -> PathBuf {
 }
 
 /// Token ids of the special tokens the grammar emits (trained-tiny's tokenizer).
-const THINK: u32 = 3;
-const THINK_END: u32 = 4;
 const TOOL_CALL: u32 = 5;
 const TOOL_CALL_END: u32 = 6;
 const IM_END: u32 = 2;
 
-const REASONING: &str = "Oslo, three days: one call.";
-
-/// A lark grammar that admits exactly one output: a `<think>` block, then one
-/// call in BerryLM's tool-call XML whose `days` needs the schema to be typed.
+/// A lark grammar that admits exactly one output: one call in BerryLM's
+/// tool-call XML whose `days` needs the schema to be typed. The request turns
+/// thinking off, so the grammar applies from the first token (with thinking
+/// on it would apply only after the model closed its reasoning).
 fn pinned_output_grammar() -> String {
     let call = "\\n<function=get_weather>\\n<parameter=city>\\nOslo\\n</parameter>\\n\
                 <parameter=days>\\n3\\n</parameter>\\n</function>\\n";
-    format!(
-        "start: <[{THINK}]> \"\\n{REASONING}\\n\" <[{THINK_END}]> \"\\n\\n\" \
-         <[{TOOL_CALL}]> \"{call}\" <[{TOOL_CALL_END}]> <[{IM_END}]>"
-    )
+    format!("start: <[{TOOL_CALL}]> \"{call}\" <[{TOOL_CALL_END}]> <[{IM_END}]>")
 }
 
 fn pinned_request(stream: bool) -> Value {
@@ -137,13 +132,13 @@ fn pinned_request(stream: bool) -> Value {
         "temperature": 0.0,
         "max_tokens": 256,
         "stream": stream,
+        "enable_thinking": false,
         "grammar": {"type": "lark", "value": pinned_output_grammar()},
     })
 }
 
 #[test]
-fn a_llama_checkpoint_served_with_the_berrylm_parsers_gives_reasoning_and_typed_tool_calls(
-) -> Result<()> {
+fn a_llama_checkpoint_served_with_the_berrylm_parsers_gives_typed_tool_calls() -> Result<()> {
     let dir = scratch_dir("llama-parsers");
     write_llama_checkpoint(&dir)?;
     let server = Server::start(
@@ -158,7 +153,14 @@ fn a_llama_checkpoint_served_with_the_berrylm_parsers_gives_reasoning_and_typed_
     let expected_arguments = json!({"city": "Oslo", "days": 3});
 
     let (status, response) = server.post("/v1/chat/completions", &pinned_request(false))?;
-    let message = tool_call_message(status, &response, REASONING);
+    assert_eq!(status, 200, "{response}");
+    assert_eq!(
+        response["choices"][0]["finish_reason"],
+        json!("tool_calls"),
+        "{response}"
+    );
+    let message = &response["choices"][0]["message"];
+    assert_eq!(message["reasoning_content"], Value::Null, "{response}");
     let calls = message["tool_calls"].as_array().context("tool_calls")?;
     assert_eq!(calls.len(), 1, "{response}");
     assert_eq!(calls[0]["type"], json!("function"), "{response}");
@@ -177,11 +179,7 @@ fn a_llama_checkpoint_served_with_the_berrylm_parsers_gives_reasoning_and_typed_
     assert_eq!(status, 200, "{chunks:?}");
     let (streamed, finish_reason) = assemble(&chunks);
     assert_eq!(finish_reason.as_deref(), Some("tool_calls"), "{chunks:?}");
-    assert_eq!(
-        streamed["reasoning_content"].as_str().map(str::trim),
-        Some(REASONING),
-        "{chunks:?}"
-    );
+    assert_eq!(streamed["reasoning_content"], Value::Null, "{chunks:?}");
     let calls = streamed["tool_calls"].as_array().context("tool_calls")?;
     assert_eq!(calls.len(), 1, "{chunks:?}");
     assert_eq!(calls[0]["name"], json!("get_weather"), "{chunks:?}");

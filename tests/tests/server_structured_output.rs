@@ -1,0 +1,175 @@
+//! Structured output that knows about reasoning, through the real server: when
+//! the chat template opens `<think>` (thinking on, its default), a request's
+//! grammar (`response_format` json_schema, `grammar` regex or lark) leaves the
+//! reasoning free and constrains what follows `</think>`; with thinking off it
+//! constrains from the first token. Streamed and not.
+
+use anyhow::{Context, Result};
+use berrylm_tests::chat::assemble;
+use berrylm_tests::server::Server;
+use berrylm_tests::Fixture;
+use serde_json::{json, Map, Value};
+
+const CHAT: &str = "/v1/chat/completions";
+
+/// A forecast: a short city name and a number of days from 1 to 9, nothing else.
+fn forecast_schema() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "minLength": 1, "maxLength": 12},
+            "days": {"type": "integer", "minimum": 1, "maximum": 9}
+        },
+        "required": ["city", "days"],
+        "additionalProperties": false
+    })
+}
+
+/// Checks `content` against [`forecast_schema`] by hand.
+fn assert_forecast(content: &Value, context: &str) -> Value {
+    let text = content
+        .as_str()
+        .unwrap_or_else(|| panic!("no content: {context}"));
+    let forecast: Value = serde_json::from_str(text)
+        .unwrap_or_else(|error| panic!("content is not JSON ({error}): {context}"));
+    let object = forecast
+        .as_object()
+        .unwrap_or_else(|| panic!("content is not an object: {context}"));
+    let mut keys = object.keys().map(String::as_str).collect::<Vec<_>>();
+    keys.sort_unstable();
+    assert_eq!(keys, ["city", "days"], "{context}");
+    let city = object["city"].as_str().unwrap_or_default();
+    assert!(
+        (1..=12).contains(&city.chars().count()),
+        "city {city:?}: {context}"
+    );
+    let days = object["days"].as_i64().unwrap_or_default();
+    assert!(
+        object["days"].is_i64() && (1..=9).contains(&days),
+        "days {}: {context}",
+        object["days"]
+    );
+    forecast
+}
+
+fn request(thinking: bool, stream: bool, constraint: &[(&str, Value)]) -> Value {
+    let mut request = Map::new();
+    request.insert("model".into(), json!("default"));
+    request.insert(
+        "messages".into(),
+        json!([{"role": "user", "content": "What is the weather in Oslo?"}]),
+    );
+    request.insert("temperature".into(), json!(0.0));
+    request.insert("max_tokens".into(), json!(160));
+    request.insert("stream".into(), json!(stream));
+    if !thinking {
+        request.insert("enable_thinking".into(), json!(false));
+    }
+    for (key, value) in constraint {
+        request.insert((*key).to_string(), value.clone());
+    }
+    Value::Object(request)
+}
+
+/// The assistant message of a request (assembled when streamed) and its
+/// finish reason.
+fn message(server: &Server, body: &Value) -> Result<(Value, String)> {
+    if body["stream"] == json!(true) {
+        let (status, chunks) = server.post_stream(CHAT, body)?;
+        anyhow::ensure!(status == 200, "HTTP {status}: {chunks:?}");
+        let (message, finish_reason) = assemble(&chunks);
+        Ok((message, finish_reason.unwrap_or_default()))
+    } else {
+        let (status, response) = server.post(CHAT, body)?;
+        anyhow::ensure!(status == 200, "HTTP {status}: {response}");
+        let choice = &response["choices"][0];
+        Ok((
+            choice["message"].clone(),
+            choice["finish_reason"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+        ))
+    }
+}
+
+fn json_schema_format() -> Value {
+    json!({"type": "json_schema", "json_schema": {"name": "forecast", "schema": forecast_schema()}})
+}
+
+#[test]
+fn json_schema_constrains_the_answer_after_free_reasoning() -> Result<()> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let server = Server::start(&fixture.model_dir, &["--dtype", "f32"])?;
+
+    // The unconstrained answer: the reasoning the model writes by itself.
+    let (free, _) = message(&server, &request(true, false, &[]))?;
+    let free_reasoning = free["reasoning_content"]
+        .as_str()
+        .context("the unconstrained answer has no reasoning")?
+        .trim()
+        .to_string();
+    assert!(!free_reasoning.is_empty(), "{free}");
+
+    let mut answers = Vec::new();
+    for stream in [false, true] {
+        let body = request(true, stream, &[("response_format", json_schema_format())]);
+        let (message, finish_reason) = message(&server, &body)?;
+        let context = format!("stream {stream}: {message}");
+        assert_eq!(
+            message["reasoning_content"].as_str().map(str::trim),
+            Some(free_reasoning.as_str()),
+            "the reasoning is not the free one: {context}"
+        );
+        assert_eq!(finish_reason, "stop", "{context}");
+        answers.push(assert_forecast(&message["content"], &context));
+    }
+    assert_eq!(answers[0], answers[1], "streamed and not differ");
+
+    // Thinking off: no reasoning, JSON from the first token.
+    for stream in [false, true] {
+        let body = request(false, stream, &[("response_format", json_schema_format())]);
+        let (message, finish_reason) = message(&server, &body)?;
+        let context = format!("thinking off, stream {stream}: {message}");
+        assert!(message["reasoning_content"].is_null(), "{context}");
+        assert_eq!(finish_reason, "stop", "{context}");
+        assert_forecast(&message["content"], &context);
+    }
+    Ok(())
+}
+
+#[test]
+fn regex_and_lark_grammars_apply_after_the_reasoning() -> Result<()> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let server = Server::start(&fixture.model_dir, &["--dtype", "f32"])?;
+    let (free, _) = message(&server, &request(true, false, &[]))?;
+    let free_reasoning = free["reasoning_content"]
+        .as_str()
+        .context("the unconstrained answer has no reasoning")?
+        .trim()
+        .to_string();
+
+    let grammars = [
+        json!({"type": "regex", "value": "(sunny|cloudy|rainy) in Oslo"}),
+        json!({"type": "lark", "value": "start: (\"sunny\" | \"cloudy\" | \"rainy\") \" in Oslo\""}),
+    ];
+    for grammar in grammars {
+        for stream in [false, true] {
+            let body = request(true, stream, &[("grammar", grammar.clone())]);
+            let (message, finish_reason) = message(&server, &body)?;
+            let context = format!("{grammar}, stream {stream}: {message}");
+            assert_eq!(
+                message["reasoning_content"].as_str().map(str::trim),
+                Some(free_reasoning.as_str()),
+                "{context}"
+            );
+            assert_eq!(finish_reason, "stop", "{context}");
+            assert!(
+                ["sunny in Oslo", "cloudy in Oslo", "rainy in Oslo"]
+                    .contains(&message["content"].as_str().unwrap_or_default()),
+                "{context}"
+            );
+        }
+    }
+    Ok(())
+}
