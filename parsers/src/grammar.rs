@@ -141,7 +141,27 @@ fn value_item(schema: &Value, definitions: &Map<String, Value>) -> String {
         "x-guidance".to_owned(),
         json!({"whitespace_flexible": false, "lenient": true}),
     );
-    format!("%json {}", Value::Object(schema))
+    format!("%json {}", with_sorted_keys(Value::Object(schema)))
+}
+
+/// `value` with every object's keys in sorted order, so that the grammar's
+/// text is the same whether or not serde_json keeps insertion order (the
+/// host's build enables its `preserve_order`).
+fn with_sorted_keys(value: Value) -> Value {
+    match value {
+        Value::Object(object) => {
+            let mut entries: Vec<(String, Value)> = object.into_iter().collect();
+            entries.sort_by(|(a, _), (b, _)| a.cmp(b));
+            Value::Object(
+                entries
+                    .into_iter()
+                    .map(|(key, value)| (key, with_sorted_keys(value)))
+                    .collect(),
+            )
+        }
+        Value::Array(items) => Value::Array(items.into_iter().map(with_sorted_keys).collect()),
+        other => other,
+    }
 }
 
 /// Raw text the tool-call parser reads back unchanged: one line, no tag.

@@ -1,8 +1,10 @@
 //! Requests built from trained-tiny's golden sequences (messages, tools and
 //! `enable_thinking` as transformers rendered them).
 
-use anyhow::{Context, Result};
+use anyhow::{ensure, Context, Result};
 use serde_json::{json, Value};
+
+use crate::server::Server;
 
 /// A greedy chat completion request for a golden sequence, as an OpenAI client
 /// sends it: history tool-call arguments are JSON strings on the wire.
@@ -71,6 +73,40 @@ pub fn assemble(chunks: &[Value]) -> (Value, Option<String>) {
         "tool_calls": calls,
     });
     (message, finish_reason)
+}
+
+/// The assistant message of a chat completion request and its finish reason:
+/// assembled from the chunks when streamed ([`assemble`]), else the
+/// response's message with its tool calls in the same `{id, name,
+/// arguments}` shape (an empty list when it has none).
+pub fn chat_answer(server: &Server, body: &Value) -> Result<(Value, String)> {
+    const CHAT: &str = "/v1/chat/completions";
+    if body["stream"] == json!(true) {
+        let (status, chunks) = server.post_stream(CHAT, body)?;
+        ensure!(status == 200, "HTTP {status}: {chunks:?}");
+        let (message, finish_reason) = assemble(&chunks);
+        return Ok((message, finish_reason.unwrap_or_default()));
+    }
+    let (status, response) = server.post(CHAT, body)?;
+    ensure!(status == 200, "HTTP {status}: {response}");
+    let choice = &response["choices"][0];
+    let mut message = choice["message"].clone();
+    let calls = message["tool_calls"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|call| {
+            ensure!(call["type"] == json!("function"), "{response}");
+            Ok(json!({
+                "id": call["id"],
+                "name": call["function"]["name"],
+                "arguments": call["function"]["arguments"],
+            }))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    message["tool_calls"] = Value::Array(calls);
+    let finish_reason = choice["finish_reason"].as_str().unwrap_or_default();
+    Ok((message, finish_reason.to_string()))
 }
 
 /// A tool call's JSON-string `arguments` parsed (null when not JSON).

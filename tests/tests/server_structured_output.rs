@@ -5,12 +5,10 @@
 //! constrains from the first token. Streamed and not.
 
 use anyhow::{Context, Result};
-use berrylm_tests::chat::assemble;
+use berrylm_tests::chat::chat_answer;
 use berrylm_tests::server::Server;
 use berrylm_tests::Fixture;
 use serde_json::{json, Map, Value};
-
-const CHAT: &str = "/v1/chat/completions";
 
 /// A forecast: a short city name and a number of days from 1 to 9, nothing else.
 fn forecast_schema() -> Value {
@@ -71,28 +69,6 @@ fn request(thinking: bool, stream: bool, constraint: &[(&str, Value)]) -> Value 
     Value::Object(request)
 }
 
-/// The assistant message of a request (assembled when streamed) and its
-/// finish reason.
-fn message(server: &Server, body: &Value) -> Result<(Value, String)> {
-    if body["stream"] == json!(true) {
-        let (status, chunks) = server.post_stream(CHAT, body)?;
-        anyhow::ensure!(status == 200, "HTTP {status}: {chunks:?}");
-        let (message, finish_reason) = assemble(&chunks);
-        Ok((message, finish_reason.unwrap_or_default()))
-    } else {
-        let (status, response) = server.post(CHAT, body)?;
-        anyhow::ensure!(status == 200, "HTTP {status}: {response}");
-        let choice = &response["choices"][0];
-        Ok((
-            choice["message"].clone(),
-            choice["finish_reason"]
-                .as_str()
-                .unwrap_or_default()
-                .to_string(),
-        ))
-    }
-}
-
 fn json_schema_format() -> Value {
     json!({"type": "json_schema", "json_schema": {"name": "forecast", "schema": forecast_schema()}})
 }
@@ -103,7 +79,7 @@ fn json_schema_constrains_the_answer_after_free_reasoning() -> Result<()> {
     let server = Server::start(&fixture.model_dir, &["--dtype", "f32"])?;
 
     // The unconstrained answer: the reasoning the model writes by itself.
-    let (free, _) = message(&server, &request(true, false, &[]))?;
+    let (free, _) = chat_answer(&server, &request(true, false, &[]))?;
     let free_reasoning = free["reasoning_content"]
         .as_str()
         .context("the unconstrained answer has no reasoning")?
@@ -114,7 +90,7 @@ fn json_schema_constrains_the_answer_after_free_reasoning() -> Result<()> {
     let mut answers = Vec::new();
     for stream in [false, true] {
         let body = request(true, stream, &[("response_format", json_schema_format())]);
-        let (message, finish_reason) = message(&server, &body)?;
+        let (message, finish_reason) = chat_answer(&server, &body)?;
         let context = format!("stream {stream}: {message}");
         assert_eq!(
             message["reasoning_content"].as_str().map(str::trim),
@@ -129,7 +105,7 @@ fn json_schema_constrains_the_answer_after_free_reasoning() -> Result<()> {
     // Thinking off: no reasoning, JSON from the first token.
     for stream in [false, true] {
         let body = request(false, stream, &[("response_format", json_schema_format())]);
-        let (message, finish_reason) = message(&server, &body)?;
+        let (message, finish_reason) = chat_answer(&server, &body)?;
         let context = format!("thinking off, stream {stream}: {message}");
         assert!(message["reasoning_content"].is_null(), "{context}");
         assert_eq!(finish_reason, "stop", "{context}");
@@ -142,7 +118,7 @@ fn json_schema_constrains_the_answer_after_free_reasoning() -> Result<()> {
 fn regex_and_lark_grammars_apply_after_the_reasoning() -> Result<()> {
     let fixture = Fixture::load("trained-tiny")?;
     let server = Server::start(&fixture.model_dir, &["--dtype", "f32"])?;
-    let (free, _) = message(&server, &request(true, false, &[]))?;
+    let (free, _) = chat_answer(&server, &request(true, false, &[]))?;
     let free_reasoning = free["reasoning_content"]
         .as_str()
         .context("the unconstrained answer has no reasoning")?
@@ -156,7 +132,7 @@ fn regex_and_lark_grammars_apply_after_the_reasoning() -> Result<()> {
     for grammar in grammars {
         for stream in [false, true] {
             let body = request(true, stream, &[("grammar", grammar.clone())]);
-            let (message, finish_reason) = message(&server, &body)?;
+            let (message, finish_reason) = chat_answer(&server, &body)?;
             let context = format!("{grammar}, stream {stream}: {message}");
             assert_eq!(
                 message["reasoning_content"].as_str().map(str::trim),

@@ -6,7 +6,7 @@
 //! the request does not offer, or `required` without tools, is refused.
 
 use anyhow::{Context, Result};
-use berrylm_tests::chat::{arguments, assemble, golden_chat_request};
+use berrylm_tests::chat::{arguments, chat_answer, golden_chat_request};
 use berrylm_tests::server::Server;
 use berrylm_tests::Fixture;
 use serde_json::{json, Value};
@@ -18,43 +18,6 @@ const CHAT: &str = "/v1/chat/completions";
 /// calling `get_weather` (trained-tiny's golden sequence 2).
 const WEATHER_REASONING: &str =
     "The user asks about the weather in Oslo. I should call get_weather.";
-
-/// The assistant message of a request (assembled from its chunks when
-/// streamed, tool calls as `{id, name, arguments}`) and its finish reason.
-fn answer(server: &Server, body: &Value) -> Result<(Value, String)> {
-    if body["stream"] == json!(true) {
-        let (status, chunks) = server.post_stream(CHAT, body)?;
-        anyhow::ensure!(status == 200, "HTTP {status}: {chunks:?}");
-        let (message, finish_reason) = assemble(&chunks);
-        Ok((message, finish_reason.unwrap_or_default()))
-    } else {
-        let (status, response) = server.post(CHAT, body)?;
-        anyhow::ensure!(status == 200, "HTTP {status}: {response}");
-        let choice = &response["choices"][0];
-        let mut message = choice["message"].clone();
-        let calls = message["tool_calls"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .map(|call| {
-                assert_eq!(call["type"], json!("function"), "{response}");
-                json!({
-                    "id": call["id"],
-                    "name": call["function"]["name"],
-                    "arguments": call["function"]["arguments"],
-                })
-            })
-            .collect::<Vec<_>>();
-        message["tool_calls"] = Value::Array(calls);
-        Ok((
-            message,
-            choice["finish_reason"]
-                .as_str()
-                .unwrap_or_default()
-                .to_string(),
-        ))
-    }
-}
 
 /// Checks one call against the golden tools' schemas (`get_weather`: a
 /// string `city`, required, and an integer `days`; `get_time`: a string
@@ -107,7 +70,7 @@ fn required_and_named_force_a_typed_call_to_an_offered_tool() -> Result<()> {
     // "Hello!" with tools: by itself the model only greets.
     let mut hello = golden_chat_request(&fixture.facts["sequences"][1], 160, false)?;
     hello["tools"] = tools.clone();
-    let (free, finish_reason) = answer(&server, &hello)?;
+    let (free, finish_reason) = chat_answer(&server, &hello)?;
     assert_eq!(finish_reason, "stop", "{free}");
     assert_eq!(free["tool_calls"], json!([]), "{free}");
 
@@ -117,7 +80,7 @@ fn required_and_named_force_a_typed_call_to_an_offered_tool() -> Result<()> {
             if !thinking {
                 request["enable_thinking"] = json!(false);
             }
-            let (message, finish_reason) = answer(&server, &request)?;
+            let (message, finish_reason) = chat_answer(&server, &request)?;
             let context = format!("required, thinking {thinking}, stream {stream}: {message}");
             assert_eq!(finish_reason, "tool_calls", "{context}");
             assert_eq!(
@@ -137,7 +100,7 @@ fn required_and_named_force_a_typed_call_to_an_offered_tool() -> Result<()> {
     // (towards get_weather) and then calls get_time.
     let get_time = json!({"type": "function", "function": {"name": "get_time"}});
     for stream in [false, true] {
-        let (message, finish_reason) = answer(
+        let (message, finish_reason) = chat_answer(
             &server,
             &with_tool_choice(weather.clone(), get_time.clone(), stream),
         )?;
@@ -158,7 +121,7 @@ fn required_and_named_force_a_typed_call_to_an_offered_tool() -> Result<()> {
     assert_eq!(time["enable_thinking"], json!(false));
     let get_weather = json!({"type": "function", "function": {"name": "get_weather"}});
     for stream in [false, true] {
-        let (message, finish_reason) = answer(
+        let (message, finish_reason) = chat_answer(
             &server,
             &with_tool_choice(time.clone(), get_weather.clone(), stream),
         )?;
@@ -171,7 +134,7 @@ fn required_and_named_force_a_typed_call_to_an_offered_tool() -> Result<()> {
 
     // `auto` is the model's own choice: the golden get_weather call.
     let (message, finish_reason) =
-        answer(&server, &with_tool_choice(weather, json!("auto"), false))?;
+        chat_answer(&server, &with_tool_choice(weather, json!("auto"), false))?;
     assert_eq!(finish_reason, "tool_calls", "{message}");
     assert_eq!(
         message["tool_calls"][0]["name"],
@@ -194,7 +157,7 @@ fn tool_choice_none_returns_no_tool_calls() -> Result<()> {
     for sequence in [2, 3] {
         let golden = golden_chat_request(&fixture.facts["sequences"][sequence], 96, false)?;
         for stream in [false, true] {
-            let (message, finish_reason) = answer(
+            let (message, finish_reason) = chat_answer(
                 &server,
                 &with_tool_choice(golden.clone(), json!("none"), stream),
             )?;
