@@ -73,19 +73,24 @@ fn json_schema_format() -> Value {
     json!({"type": "json_schema", "json_schema": {"name": "forecast", "schema": forecast_schema()}})
 }
 
-#[test]
-fn json_schema_constrains_the_answer_after_free_reasoning() -> Result<()> {
+/// The bundled model served in f32, and the reasoning it writes by itself
+/// for the question when nothing constrains it.
+fn server_and_free_reasoning() -> Result<(Server, String)> {
     let fixture = Fixture::load("trained-tiny")?;
     let server = Server::start(&fixture.model_dir, &["--dtype", "f32"])?;
-
-    // The unconstrained answer: the reasoning the model writes by itself.
     let (free, _) = chat_answer(&server, &request(true, false, &[]))?;
     let free_reasoning = free["reasoning_content"]
         .as_str()
         .context("the unconstrained answer has no reasoning")?
         .trim()
         .to_string();
-    assert!(!free_reasoning.is_empty(), "{free}");
+    anyhow::ensure!(!free_reasoning.is_empty(), "{free}");
+    Ok((server, free_reasoning))
+}
+
+#[test]
+fn json_schema_constrains_the_answer_after_free_reasoning() -> Result<()> {
+    let (server, free_reasoning) = server_and_free_reasoning()?;
 
     let mut answers = Vec::new();
     for stream in [false, true] {
@@ -116,14 +121,7 @@ fn json_schema_constrains_the_answer_after_free_reasoning() -> Result<()> {
 
 #[test]
 fn regex_and_lark_grammars_apply_after_the_reasoning() -> Result<()> {
-    let fixture = Fixture::load("trained-tiny")?;
-    let server = Server::start(&fixture.model_dir, &["--dtype", "f32"])?;
-    let (free, _) = chat_answer(&server, &request(true, false, &[]))?;
-    let free_reasoning = free["reasoning_content"]
-        .as_str()
-        .context("the unconstrained answer has no reasoning")?
-        .trim()
-        .to_string();
+    let (server, free_reasoning) = server_and_free_reasoning()?;
 
     let grammars = [
         json!({"type": "regex", "value": "(sunny|cloudy|rainy) in Oslo"}),
