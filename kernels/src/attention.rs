@@ -49,27 +49,37 @@ const OP: &str = "causal_attention";
 /// for bit. Other CUDA inputs (`f32`, other head dims) run a simple scalar
 /// kernel with the same online softmax in f32, for any `D` up to 512.
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, softmax_scale: f32) -> Result<Tensor> {
-    let dims = validate(q, k, v, softmax_scale)?;
+    let args = validate(q, k, v, softmax_scale)?;
     on_device!(
         OP,
         q.device(),
-        cpu_causal_attention(q, k, v, softmax_scale, &dims),
-        crate::cuda::causal_attention(q, k, v, softmax_scale, &dims),
+        cpu_causal_attention(&args),
+        crate::cuda::causal_attention(&args),
     )
 }
 
-/// The sizes of a validated call.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct AttentionDims {
-    pub(crate) batch: usize,
-    pub(crate) heads: usize,
-    pub(crate) kv_heads: usize,
-    pub(crate) queries: usize,
-    pub(crate) keys: usize,
-    pub(crate) head_dim: usize,
+/// The validated arguments of a [`causal_attention`] call and its sizes: `q`
+/// `[batch, heads, queries, head_dim]`, `k` and `v`
+/// `[batch, kv_heads, keys, head_dim]`.
+pub(crate) struct CausalAttentionArgs<'a> {
+    pub q: &'a Tensor,
+    pub k: &'a Tensor,
+    pub v: &'a Tensor,
+    pub softmax_scale: f32,
+    pub batch: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub queries: usize,
+    pub keys: usize,
+    pub head_dim: usize,
 }
 
-fn validate(q: &Tensor, k: &Tensor, v: &Tensor, softmax_scale: f32) -> Result<AttentionDims> {
+fn validate<'a>(
+    q: &'a Tensor,
+    k: &'a Tensor,
+    v: &'a Tensor,
+    softmax_scale: f32,
+) -> Result<CausalAttentionArgs<'a>> {
     let [batch, heads, queries, head_dim] = float_dims::<4>(OP, "q", q)?;
     let k_dims = float_dims::<4>(OP, "k", k)?;
     let v_dims = float_dims::<4>(OP, "v", v)?;
@@ -95,7 +105,11 @@ fn validate(q: &Tensor, k: &Tensor, v: &Tensor, softmax_scale: f32) -> Result<At
     ensure(softmax_scale.is_finite(), OP, "softmax_scale", || {
         format!("{softmax_scale} is not finite")
     })?;
-    Ok(AttentionDims {
+    Ok(CausalAttentionArgs {
+        q,
+        k,
+        v,
+        softmax_scale,
         batch,
         heads,
         kv_heads,
@@ -105,51 +119,40 @@ fn validate(q: &Tensor, k: &Tensor, v: &Tensor, softmax_scale: f32) -> Result<At
     })
 }
 
-fn cpu_causal_attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    softmax_scale: f32,
-    dims: &AttentionDims,
-) -> Result<Tensor> {
-    let AttentionDims {
-        batch,
-        heads,
-        kv_heads,
-        queries,
-        keys,
-        head_dim,
-    } = *dims;
-    let dtype = q.dtype();
+fn cpu_causal_attention(args: &CausalAttentionArgs<'_>) -> Result<Tensor> {
+    let (batch, heads, queries) = (args.batch, args.heads, args.queries);
+    let (kv_heads, keys, head_dim) = (args.kv_heads, args.keys, args.head_dim);
+    let dtype = args.q.dtype();
     let groups = heads / kv_heads;
-    let q = to_f32_vec(q)?;
-    let k = to_f32_vec(k)?;
-    let v = to_f32_vec(v)?;
+    let q = to_f32_vec(args.q)?;
+    let k = to_f32_vec(args.k)?;
+    let v = to_f32_vec(args.v)?;
     // Keys before the first query's position: query i sees keys
     // 0..=prefix + i.
     let prefix = keys - queries;
     let q_row = |b: usize, h: usize, i: usize| ((b * heads + h) * queries + i) * head_dim;
     let kv_row = |b: usize, h: usize, j: usize| ((b * kv_heads + h / groups) * keys + j) * head_dim;
     let score_row = |b: usize, h: usize, i: usize| ((b * heads + h) * queries + i) * keys;
+    // Every query (batch b, head h, position i), in the order of `q`.
+    let each_query = || {
+        (0..batch)
+            .flat_map(move |b| (0..heads).flat_map(move |h| (0..queries).map(move |i| (b, h, i))))
+    };
 
     // q k^T, rounded as the matmul's output in the input dtype. Masked
     // scores stay 0 here and are skipped below.
     let mut scores = vec![0f32; batch * heads * queries * keys];
-    for b in 0..batch {
-        for h in 0..heads {
-            for i in 0..queries {
-                let query = &q[q_row(b, h, i)..][..head_dim];
-                let row = &mut scores[score_row(b, h, i)..][..keys];
-                for (j, score) in row[..=prefix + i].iter_mut().enumerate() {
-                    let key = &k[kv_row(b, h, j)..][..head_dim];
-                    *score = query.iter().zip(key).map(|(a, b)| a * b).sum();
-                }
-            }
+    for (b, h, i) in each_query() {
+        let query = &q[q_row(b, h, i)..][..head_dim];
+        let row = &mut scores[score_row(b, h, i)..][..keys];
+        for (j, score) in row[..=prefix + i].iter_mut().enumerate() {
+            let key = &k[kv_row(b, h, j)..][..head_dim];
+            *score = query.iter().zip(key).map(|(a, b)| a * b).sum();
         }
     }
     let factor = match dtype {
-        DType::F16 => round_to_dtype(vec![softmax_scale], dtype)?[0],
-        _ => softmax_scale,
+        DType::F16 => round_to_dtype(vec![args.softmax_scale], dtype)?[0],
+        _ => args.softmax_scale,
     };
     let scores = round_to_dtype(
         round_to_dtype(scores, dtype)?
@@ -181,16 +184,12 @@ fn cpu_causal_attention(
     let probs = round_to_dtype(probs, dtype)?;
 
     let mut out = vec![0f32; batch * heads * queries * head_dim];
-    for b in 0..batch {
-        for h in 0..heads {
-            for i in 0..queries {
-                let row = &probs[score_row(b, h, i)..][..keys];
-                let acc = &mut out[q_row(b, h, i)..][..head_dim];
-                for (j, &p) in row[..=prefix + i].iter().enumerate() {
-                    let value = &v[kv_row(b, h, j)..][..head_dim];
-                    acc.iter_mut().zip(value).for_each(|(o, &x)| *o += p * x);
-                }
-            }
+    for (b, h, i) in each_query() {
+        let row = &probs[score_row(b, h, i)..][..keys];
+        let acc = &mut out[q_row(b, h, i)..][..head_dim];
+        for (j, &p) in row[..=prefix + i].iter().enumerate() {
+            let value = &v[kv_row(b, h, j)..][..head_dim];
+            acc.iter_mut().zip(value).for_each(|(o, &x)| *o += p * x);
         }
     }
     tensor_from_f32(out, &[batch, heads, queries, head_dim], dtype)

@@ -28,6 +28,8 @@
 // Neither rounds the scores to the input dtype as the CPU reference does, and
 // their sums run in another order: they agree with it within the rounding of
 // the output dtype.
+#include <type_traits>
+
 #include "common.cuh"
 
 namespace berrylm::attention {
@@ -87,31 +89,27 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* 
                  : "r"(smem_address(row)));
 }
 
+// The mma.sync of `mma_16816` with A and B of PTX type AB ("bf16", "f16").
+#define BERRYLM_MMA_16816(AB, c, a, b0, b1)                                          \
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." AB "." AB ".f32 "          \
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n" \
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                     \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+
 // c += a b for a 16x16 A (row-major fragment), a 16x8 B (column fragment) and
-// a 16x8 f32 C.
+// a 16x8 f32 C; A and B hold pairs of T, bf16 or f16.
 template <typename T>
 __device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4], unsigned b0,
-                                          unsigned b1);
-
-template <>
-__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&c)[4], const unsigned (&a)[4],
-                                                         unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+                                          unsigned b1) {
+    static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>, "bf16 or f16");
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        BERRYLM_MMA_16816("bf16", c, a, b0, b1);
+    } else {
+        BERRYLM_MMA_16816("f16", c, a, b0, b1);
+    }
 }
 
-template <>
-__device__ __forceinline__ void mma_16816<__half>(float (&c)[4], const unsigned (&a)[4],
-                                                  unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+#undef BERRYLM_MMA_16816
 
 // Two f32 values rounded to T (RNE) and packed, `lo` in the low half.
 template <typename T> __device__ __forceinline__ unsigned pack2(float lo, float hi);
@@ -188,12 +186,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_kernel(const Params p) {
     load_tile<T, D, kBlockN>(s_k, k, p.k_row_stride, key_end);
     cp_async_commit();
 
-    float o[D / 8][4];
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[i][e] = 0.0f;
-    }
+    float o[D / 8][4] = {};
     // Per fragment row (group, group + 8): running max of the scaled scores
     // (log2 units) and this lane's part of the running sum.
     float row_max[2] = {-INFINITY, -INFINITY};
@@ -210,12 +203,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_kernel(const Params p) {
         __syncthreads();
 
         // S = Q K^T for this warp's 16 rows and the 64 keys.
-        float s[kBlockN / 8][4];
-#pragma unroll
-        for (int i = 0; i < kBlockN / 8; ++i) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[i][e] = 0.0f;
-        }
+        float s[kBlockN / 8][4] = {};
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             unsigned a[4];

@@ -11,7 +11,7 @@ use std::ffi::{c_int, c_void};
 use candle_core::Tensor;
 
 use super::{c_size, dtype_code, In, Launch};
-use crate::attention::AttentionDims;
+use crate::attention::CausalAttentionArgs;
 use crate::{invalid_argument, Result};
 
 extern "C" {
@@ -48,21 +48,8 @@ const MAX_HEAD_DIM: usize = 512;
 const ALIGN: usize = 8;
 
 /// CUDA `causal_attention`; arguments already validated by the caller.
-pub(crate) fn causal_attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    softmax_scale: f32,
-    dims: &AttentionDims,
-) -> Result<Tensor> {
-    let AttentionDims {
-        batch,
-        heads,
-        kv_heads,
-        queries,
-        keys,
-        head_dim,
-    } = *dims;
+pub(crate) fn causal_attention(args: &CausalAttentionArgs<'_>) -> Result<Tensor> {
+    let head_dim = args.head_dim;
     if head_dim > MAX_HEAD_DIM {
         return Err(invalid_argument(
             OP,
@@ -70,16 +57,16 @@ pub(crate) fn causal_attention(
             format!("head dim {head_dim} exceeds the CUDA kernels' {MAX_HEAD_DIM}"),
         ));
     }
-    let mut launch = Launch::new(OP, q)?;
-    let q = if q.is_contiguous() && q.layout().start_offset().is_multiple_of(ALIGN) {
-        launch.push_input("q", q.clone())?
+    let mut launch = Launch::new(OP, args.q)?;
+    let q = if args.q.is_contiguous() && args.q.layout().start_offset().is_multiple_of(ALIGN) {
+        launch.push_input("q", args.q.clone())?
     } else {
-        launch.push_input("q", q.force_contiguous()?)?
+        launch.push_input("q", args.q.force_contiguous()?)?
     };
-    let (k, k_strides) = strided_input(&mut launch, "k", k)?;
-    let (v, v_strides) = strided_input(&mut launch, "v", v)?;
+    let (k, k_strides) = strided_input(&mut launch, "k", args.k)?;
+    let (v, v_strides) = strided_input(&mut launch, "v", args.v)?;
     let dtype = launch.dtype(q);
-    let out = launch.output((batch, heads, queries, head_dim), dtype)?;
+    let out = launch.output((args.batch, args.heads, args.queries, head_dim), dtype)?;
     let outputs = launch.run(|p| {
         // SAFETY: `q` is contiguous `[batch, heads, queries, head_dim]` and
         // `out` freshly allocated of that shape; `k` and `v` span
@@ -92,11 +79,11 @@ pub(crate) fn causal_attention(
                 p.input(k),
                 p.input(v),
                 p.output(out),
-                c_size(OP, "q", batch)?,
-                c_size(OP, "q", heads)?,
-                c_size(OP, "k", kv_heads)?,
-                c_size(OP, "q", queries)?,
-                c_size(OP, "k", keys)?,
+                c_size(OP, "q", args.batch)?,
+                c_size(OP, "q", args.heads)?,
+                c_size(OP, "k", args.kv_heads)?,
+                c_size(OP, "q", args.queries)?,
+                c_size(OP, "k", args.keys)?,
                 c_size(OP, "q", head_dim)?,
                 k_strides[0],
                 k_strides[1],
@@ -104,7 +91,7 @@ pub(crate) fn causal_attention(
                 v_strides[0],
                 v_strides[1],
                 v_strides[2],
-                softmax_scale,
+                args.softmax_scale,
                 p.stream(),
             )
         })

@@ -26,28 +26,18 @@ fn max_error(cuda: &Tensor, reference: &Tensor) -> Result<(f32, f32)> {
     Ok((error, scale))
 }
 
-/// Runs one case: q and k uniform in [-2, 2), v in [-1, 1), all in `dtype`;
-/// k and v live in a cache of `capacity` positions narrowed to the first L
-/// (read in place on the GPU). Asserts the CUDA result within `tol` (times
+/// Runs one case, its inputs drawn from `Rng::new(seed)`: q and k uniform in
+/// [-2, 2), v in [-1, 1), all in `dtype`; k and v live in a cache of
+/// `capacity` positions narrowed to the first L (read in place on the GPU). Asserts the CUDA result within `tol` (times
 /// the largest |v|, 1) of the f32 CPU reference and prints the errors
 /// against it and against the CPU reference in `dtype`.
-fn check(rng: &mut Rng, shape: Shape, capacity: usize, scale: f32, dtype: DType) -> Result<()> {
+fn check(seed: u64, shape: Shape, capacity: usize, scale: f32, dtype: DType) -> Result<()> {
     let [batch, heads, kv_heads, queries, keys, head_dim] = shape;
+    let rng = &mut Rng::new(seed);
+    let cache = [batch, kv_heads, capacity, head_dim];
     let q = random(rng, &[batch, heads, queries, head_dim], -2.0, 2.0, dtype)?;
-    let k_cache = random(
-        rng,
-        &[batch, kv_heads, capacity, head_dim],
-        -2.0,
-        2.0,
-        dtype,
-    )?;
-    let v_cache = random(
-        rng,
-        &[batch, kv_heads, capacity, head_dim],
-        -1.0,
-        1.0,
-        dtype,
-    )?;
+    let k_cache = random(rng, &cache, -2.0, 2.0, dtype)?;
+    let v_cache = random(rng, &cache, -1.0, 1.0, dtype)?;
     let (k, v) = (k_cache.narrow(2, 0, keys)?, v_cache.narrow(2, 0, keys)?);
     let device = gpu();
     let k_gpu = to_gpu(&k_cache, &device)?.narrow(2, 0, keys)?;
@@ -80,6 +70,14 @@ fn check(rng: &mut Rng, shape: Shape, capacity: usize, scale: f32, dtype: DType)
     Ok(())
 }
 
+/// [`check`]s each `(seed, shape, capacity, scale, dtype)`.
+fn check_all(cases: &[(u64, Shape, usize, f32, DType)]) -> Result<()> {
+    for &(seed, shape, capacity, scale, dtype) in cases {
+        check(seed, shape, capacity, scale, dtype)?;
+    }
+    Ok(())
+}
+
 const HALF: [DType; 2] = [DType::BF16, DType::F16];
 
 /// The tensor-core kernel at BerryLM's shape (16 query heads over 2 KV heads,
@@ -105,60 +103,26 @@ fn causal_attention_matches_cpu_on_tensor_cores() -> Result<()> {
         for dtype in HALF {
             seed += 1;
             let scale = 1.0 / (shape[5] as f32).sqrt();
-            check(&mut Rng::new(seed), shape, capacity, scale, dtype)?;
+            check(seed, shape, capacity, scale, dtype)?;
         }
     }
     // A sharp softmax: the running max moves by large steps between tiles.
-    check(
-        &mut Rng::new(7100),
-        [1, 2, 1, 150, 190, 64],
-        190,
-        1.5,
-        DType::BF16,
-    )?;
-    check(
-        &mut Rng::new(7101),
-        [1, 2, 1, 150, 190, 256],
-        190,
-        0.5,
-        DType::F16,
-    )?;
-    Ok(())
+    check_all(&[
+        (7100, [1, 2, 1, 150, 190, 64], 190, 1.5, DType::BF16),
+        (7101, [1, 2, 1, 150, 190, 256], 190, 0.5, DType::F16),
+    ])
 }
 
 /// The scalar kernel: f32 at BerryLM's shape, and half precision at a head
 /// dim the tensor-core kernel does not take.
 #[test]
 fn causal_attention_matches_cpu_on_the_scalar_kernel() -> Result<()> {
-    check(
-        &mut Rng::new(7200),
-        [2, 16, 2, 70, 90, 256],
-        90,
-        0.0625,
-        DType::F32,
-    )?;
-    check(
-        &mut Rng::new(7201),
-        [1, 4, 2, 1, 33, 48],
-        40,
-        0.2,
-        DType::F32,
-    )?;
-    check(
-        &mut Rng::new(7202),
-        [1, 4, 2, 20, 33, 80],
-        40,
-        0.2,
-        DType::BF16,
-    )?;
-    check(
-        &mut Rng::new(7203),
-        [1, 4, 1, 20, 33, 512],
-        40,
-        0.05,
-        DType::F16,
-    )?;
-    Ok(())
+    check_all(&[
+        (7200, [2, 16, 2, 70, 90, 256], 90, 0.0625, DType::F32),
+        (7201, [1, 4, 2, 1, 33, 48], 40, 0.2, DType::F32),
+        (7202, [1, 4, 2, 20, 33, 80], 40, 0.2, DType::BF16),
+        (7203, [1, 4, 1, 20, 33, 512], 40, 0.05, DType::F16),
+    ])
 }
 
 /// Layouts the kernel cannot read in place (a cache view starting off the
