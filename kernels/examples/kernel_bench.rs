@@ -14,11 +14,13 @@
 //! `--decode-only` / `--prefill-only` print one table. `--attention` times
 //! `causal_attention` instead (B 1, Hq 16, Hkv 2, D 256, T = L = 4096 and
 //! 16384, bf16), reporting ms and TFLOP/s of the causal FLOPs
-//! `4 * B * Hq * D * T (T + 1) / 2`. `--moe` times `moe_experts` at
+//! `4 * B * Hq * D * T (T + 1) / 2`. `--moe` times `moe_experts_with` at
 //! BerryLM-OS shapes (128 experts, top-8, hidden 2048, expert width 512,
-//! bf16) for 16 to 4096 tokens (128 to 32768 routed rows), reporting ms,
-//! TFLOP/s of the expert GEMMs `2 * rows * 3 * H * I` and the GB/s of the
-//! chosen experts' weights read once (the decode floor).
+//! bf16) for 16 to 4096 tokens (128 to 32768 routed rows), with each
+//! `MoeExpertsAlgorithm` that takes the call (`Streamed` up to 4096 rows),
+//! marking the one `moe_experts` picks, and reports ms, TFLOP/s of the
+//! expert GEMMs `2 * rows * 3 * H * I` and the GB/s of the chosen experts'
+//! weights read once (the decode floor).
 //!
 //! Each figure is the mean over many back-to-back calls on candle's stream,
 //! timed with CUDA events around the loop (GPU time, outputs allocated per
@@ -29,7 +31,8 @@
 use std::time::Instant;
 
 use berrylm_kernels::{
-    causal_attention, kda_recurrence_with, moe_experts, moe_route, KdaPrefillAlgorithm,
+    causal_attention, kda_recurrence_with, moe_experts_with, moe_route, KdaPrefillAlgorithm,
+    MoeExpertsAlgorithm,
 };
 use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
 use candle_core::{DType, Device, Tensor};
@@ -263,15 +266,16 @@ struct MoeInputs {
     experts: [Tensor; 2],
 }
 
-/// `moe_experts` at BerryLM-OS shapes, routed by `moe_route` on random logits.
+/// `moe_experts_with` at BerryLM-OS shapes, routed by `moe_route` on random
+/// logits, with each algorithm that takes the call.
 fn moe_table(device: &Device) -> candle_core::Result<()> {
     const EXPERTS: usize = 128;
     const TOP_K: usize = 8;
     const HIDDEN: usize = 2048;
     const INTER: usize = 512;
     println!("moe_experts, E={EXPERTS} k={TOP_K} H={HIDDEN} I={INTER}, bf16");
-    println!("| tokens | routed rows | experts chosen | GPU ms/call | TFLOP/s (GPU) | weights GB/s (GPU) | host ms/call |");
-    println!("|---:|---:|---:|---:|---:|---:|---:|");
+    println!("| tokens | routed rows | experts chosen | algorithm | GPU ms/call | TFLOP/s (GPU) | weights GB/s (GPU) | host ms/call |");
+    println!("|---:|---:|---:|---|---:|---:|---:|---:|");
     let uniform = |dims: &[usize], scale: f32| {
         Tensor::rand(-scale, scale, dims, device)?.to_dtype(DType::BF16)
     };
@@ -290,23 +294,30 @@ fn moe_table(device: &Device) -> candle_core::Result<()> {
             experts: experts.clone(),
         };
         let iters = if tokens > 1000 { 20 } else { 200 };
-        let (gpu, host) = time_calls(device, &x, iters, |inputs| {
-            let [x, weights, ids] = &inputs.tokens;
-            let [gate_up, down] = &inputs.experts;
-            drop(moe_experts(x, weights, ids, gate_up, down)?);
-            Ok(())
-        })?;
         let routed = tokens * TOP_K;
-        let flops = 2.0 * (routed * 3 * HIDDEN * INTER) as f64;
-        let weight_bytes = (chosen.len() * 3 * HIDDEN * INTER * 2) as f64;
-        println!(
-            "| {tokens} | {routed} | {} | {:.3} | {:.1} | {:.0} | {:.3} |",
-            chosen.len(),
-            gpu * 1e3,
-            flops / gpu * 1e-12,
-            weight_bytes / gpu * 1e-9,
-            host * 1e3
-        );
+        let picked = MoeExpertsAlgorithm::for_rows(routed);
+        for algorithm in [MoeExpertsAlgorithm::Streamed, MoeExpertsAlgorithm::Grouped] {
+            if algorithm == MoeExpertsAlgorithm::Streamed && routed > 4096 {
+                continue;
+            }
+            let (gpu, host) = time_calls(device, &x, iters, |inputs| {
+                let [x, weights, ids] = &inputs.tokens;
+                let [gate_up, down] = &inputs.experts;
+                drop(moe_experts_with(algorithm, x, weights, ids, gate_up, down)?);
+                Ok(())
+            })?;
+            let flops = 2.0 * (routed * 3 * HIDDEN * INTER) as f64;
+            let weight_bytes = (chosen.len() * 3 * HIDDEN * INTER * 2) as f64;
+            let mark = if algorithm == picked { " (picked)" } else { "" };
+            println!(
+                "| {tokens} | {routed} | {} | {algorithm:?}{mark} | {:.3} | {:.1} | {:.0} | {:.3} |",
+                chosen.len(),
+                gpu * 1e3,
+                flops / gpu * 1e-12,
+                weight_bytes / gpu * 1e-9,
+                host * 1e3
+            );
+        }
     }
     Ok(())
 }
