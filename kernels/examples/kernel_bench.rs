@@ -16,7 +16,7 @@
 //! 16384, bf16), reporting ms and TFLOP/s of the causal FLOPs
 //! `4 * B * Hq * D * T (T + 1) / 2`. `--moe` times `moe_experts_with` at
 //! BerryLM-OS shapes (128 experts, top-8, hidden 2048, expert width 512,
-//! bf16) for 16 to 4096 tokens (128 to 32768 routed rows), with each
+//! bf16) for 16 to 32768 tokens (128 to 262144 routed rows), with each
 //! `MoeExpertsAlgorithm` that takes the call (`Streamed` up to 4096 rows),
 //! marking the one `moe_experts` picks, and reports ms, TFLOP/s of the
 //! expert GEMMs `2 * rows * 3 * H * I` and the GB/s of the chosen experts'
@@ -283,7 +283,7 @@ fn moe_table(device: &Device) -> candle_core::Result<()> {
         uniform(&[EXPERTS, 2 * INTER, HIDDEN], 0.05)?,
         uniform(&[EXPERTS, HIDDEN, INTER], 0.05)?,
     ];
-    for tokens in [16usize, 32, 64, 128, 256, 4096] {
+    for tokens in [16usize, 32, 64, 128, 256, 4096, 32768] {
         let logits = Tensor::rand(-3f32, 3.0, (tokens, EXPERTS), device)?;
         let (weights, ids) = moe_route(&logits, TOP_K, true, DType::F32)?;
         let mut chosen: Vec<u32> = ids.flatten_all()?.to_vec1()?;

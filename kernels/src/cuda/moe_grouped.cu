@@ -27,21 +27,24 @@
 // position is kNotRouted, which the combine never reads since it skips the
 // same ids) and nothing is written for it.
 //
-// GEMM (`gemm_kernel`, one launch per projection): a block of 4 warps
-// computes a tile of up to kBlockM grouped rows of one expert by kBlockN
-// output columns, looked up in the tile table (blocks past its length exit;
-// the grid is sized for ceil(R / kBlockM) + E tiles, a bound on their
-// number). A rows are rows of x read through `tokens_of` (gate | up) or rows
-// of h (down); B is the expert's weight rows ([N, K], K contiguous: the
-// "col" operand of mma.row.col). kBlockK = 32 columns of K per stage,
-// kStages stages in shared memory (rows padded by 16 bytes: the 8 rows an
-// ldmatrix reads fall in 8 different bank groups) filled with cp.async
-// (zero bytes past the tile's rows, the weight's rows and K); each warp
-// owns all kBlockM rows and 64 columns (4 m16 x 8 n8 mma.sync tiles, f32
-// accumulators). For gate | up the block's columns are 128 gate columns
-// j0 .. j0 + 127 and the matching up columns I + j0 ..; each warp holds 32 of
-// each, so that the epilogue finds gate and up of an h element in the same
-// thread: h = round(round(silu(round(gate))) * round(up)). The down
+// GEMM (`gemm_kernel`, one launch per projection): a block of 8 warps
+// computes a tile of up to kBlockM (128) grouped rows of one expert by
+// kBlockN (256) output columns, looked up in the tile table (blocks past its
+// length exit; the grid is sized for ceil(R / kBlockM) + E tiles, a bound on
+// their number). A rows are rows of x read through `tokens_of` (gate | up) or
+// rows of h (down); B is the expert's weight rows ([N, K], K contiguous: the
+// "col" operand of mma.row.col). kBlockK = 64 columns of K per stage (128
+// contiguous bytes of each weight row), kStages stages in shared memory
+// (rows padded by 16 bytes: the 8 rows an ldmatrix reads fall in 8
+// different bank groups) filled with cp.async (zero bytes past the tile's
+// rows, the weight's rows and K), one block per SM. The warps form 2 x 4: each
+// owns 64 rows and 64 columns (4 m16 x 8 n8 mma.sync tiles, f32
+// accumulators), and skips the m16 tiles past the tile's rows, so a partial
+// tile (an expert's last, or every tile of a decode step) costs its weight
+// reads and little more. For gate | up the block's columns are 128 gate
+// columns j0 .. j0 + 127 and the matching up columns I + j0 ..; each warp
+// holds 32 of each, so that the epilogue finds gate and up of an h element in
+// the same thread: h = round(round(silu(round(gate))) * round(up)). The down
 // projection's tile is kBlockN consecutive output columns, each rounded once.
 #include "mma.cuh"
 
@@ -177,17 +180,19 @@ __global__ void __launch_bounds__(kScanThreads)
 
 // ---------------------------------------------------------------------- GEMM
 
-constexpr int kBlockM = 64;   // grouped rows per tile
+constexpr int kBlockM = 128;  // grouped rows per tile
 constexpr int kBlockN = 256;  // output columns per block (gate | up: 128 h columns)
-constexpr int kBlockK = 32;   // K per stage
+constexpr int kBlockK = 64;   // K per stage
 constexpr int kStages = 4;
-constexpr int kWarps = 4;     // each: all kBlockM rows, kBlockN / kWarps columns
-constexpr int kThreads = kWarps * 32;
+constexpr int kWarpsM = 2;
+constexpr int kWarpsN = 4;
+constexpr int kThreads = kWarpsM * kWarpsN * 32;
 constexpr int kPad = 8;       // elements of padding per shared-memory row
 constexpr int kStride = kBlockK + kPad;
-constexpr int kWarpN = kBlockN / kWarps;
-constexpr int kTilesM = kBlockM / 16;  // m16 tiles per warp
-constexpr int kTilesN = kWarpN / 8;    // n8 tiles per warp
+constexpr int kWarpM = kBlockM / kWarpsM;
+constexpr int kWarpN = kBlockN / kWarpsN;
+constexpr int kTilesM = kWarpM / 16;  // m16 tiles per warp
+constexpr int kTilesN = kWarpN / 8;   // n8 tiles per warp
 constexpr int kChunksPerRow = kBlockK / 8;  // 16-byte chunks per row and stage
 constexpr int kLoadsA = kBlockM * kChunksPerRow / kThreads;
 constexpr int kLoadsB = kBlockN * kChunksPerRow / kThreads;
@@ -211,17 +216,17 @@ struct GemmParams {
     int n_blocks;               // blocks per tile along the columns
 };
 
-// The shared-memory row of B (0 .. kBlockN) whose n8 tile `nb` of this warp
-// starts there: the first kTilesN / 2 tiles in the first half of the
-// block's rows (gate rows, for gate | up), the others at the same place of
-// the second half (up rows).
-__device__ __forceinline__ int b_row(int warp, int nb) {
+// The shared-memory row of B (0 .. kBlockN) whose n8 tile `nb` of the warp
+// in column `warp_n` starts there: the first kTilesN / 2 tiles in the first
+// half of the block's rows (gate rows, for gate | up), the others at the
+// same place of the second half (up rows).
+__device__ __forceinline__ int b_row(int warp_n, int nb) {
     constexpr int kHalf = kTilesN / 2;
-    return (nb / kHalf) * (kBlockN / 2) + warp * (kWarpN / 2) + (nb % kHalf) * 8;
+    return (nb / kHalf) * (kBlockN / 2) + warp_n * (kWarpN / 2) + (nb % kHalf) * 8;
 }
 
 template <typename T, bool kGated>
-__global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
+__global__ void __launch_bounds__(kThreads, 1) gemm_kernel(const GemmParams p) {
     const int tile_index = blockIdx.x / p.n_blocks;
     const int n_block = blockIdx.x % p.n_blocks;
     if (tile_index >= static_cast<int>(*p.tile_count)) return;
@@ -234,10 +239,16 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
     T* s_a = reinterpret_cast<T*>(smem);
     T* s_b = s_a + kStages * kBlockM * kStride;
     const int warp = threadIdx.x / 32;
+    const int warp_m = warp / kWarpsN;
+    const int warp_n = warp % kWarpsN;
     const int lane = threadIdx.x % 32;
     const int group = lane / 4;
     const int quad = lane % 4;
     const int k = p.k;
+    // The m16 tiles of this warp that hold rows of the tile: a partial tile
+    // skips the products of the rows it does not have.
+    const int warp_row = warp_m * kWarpM;
+    const int m_tiles = max(0, min(kTilesM, (rows - warp_row + 15) / 16));
 
     // This thread's 16-byte chunks of a stage: rows threadIdx.x / kChunksPerRow
     // + i * (kThreads / kChunksPerRow), column chunk threadIdx.x % kChunksPerRow.
@@ -312,28 +323,45 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
         const int next = kt + kStages - 1;
         if (next < k_tiles) load_stage(next % kStages, next);
         cp_async_commit();
+        if (m_tiles == 0) continue;
 
-        const T* tile_a = s_a + (kt % kStages) * kBlockM * kStride;
+        const T* tile_a = s_a + ((kt % kStages) * kBlockM + warp_row) * kStride;
         const T* tile_b = s_b + (kt % kStages) * kBlockN * kStride;
-#pragma unroll
-        for (int kk = 0; kk < kBlockK / 16; ++kk) {
-            unsigned frag_a[kTilesM][4];
+        // The A fragments of step kk + 1 load while the products of step kk
+        // run (the asm statements keep their order).
+        unsigned frag_a[2][kTilesM][4];
+        auto load_a = [&](unsigned (&frag)[kTilesM][4], int kk) {
 #pragma unroll
             for (int mi = 0; mi < kTilesM; ++mi) {
-                ldmatrix_x4(frag_a[mi], tile_a + (mi * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) *
-                                                     kStride +
-                                            kk * 16 + (lane >> 4) * 8);
+                if (mi < m_tiles) {
+                    ldmatrix_x4(frag[mi], tile_a + (mi * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) *
+                                                       kStride +
+                                              kk * 16 + (lane >> 4) * 8);
+                }
             }
+        };
+        load_a(frag_a[0], 0);
 #pragma unroll
-            for (int nb = 0; nb < kTilesN; nb += 2) {
-                unsigned frag_b[4];
-                ldmatrix_x4(frag_b, tile_b + (b_row(warp, nb) + (lane & 7) + (lane >> 4) * 8) *
-                                                 kStride +
-                                        kk * 16 + ((lane >> 3) & 1) * 8);
+        for (int kk = 0; kk < kBlockK / 16; ++kk) {
+            unsigned frag_b[kTilesN / 2][4];
+#pragma unroll
+            for (int pair = 0; pair < kTilesN / 2; ++pair) {
+                ldmatrix_x4(frag_b[pair],
+                            tile_b + (b_row(warp_n, 2 * pair) + (lane & 7) + (lane >> 4) * 8) *
+                                         kStride +
+                                kk * 16 + ((lane >> 3) & 1) * 8);
+            }
+            if (kk + 1 < kBlockK / 16) load_a(frag_a[(kk + 1) % 2], kk + 1);
+#pragma unroll
+            for (int pair = 0; pair < kTilesN / 2; ++pair) {
 #pragma unroll
                 for (int mi = 0; mi < kTilesM; ++mi) {
-                    mma_16816<T>(acc[mi][nb], frag_a[mi], frag_b[0], frag_b[1]);
-                    mma_16816<T>(acc[mi][nb + 1], frag_a[mi], frag_b[2], frag_b[3]);
+                    if (mi < m_tiles) {
+                        mma_16816<T>(acc[mi][2 * pair], frag_a[kk % 2][mi], frag_b[pair][0],
+                                     frag_b[pair][1]);
+                        mma_16816<T>(acc[mi][2 * pair + 1], frag_a[kk % 2][mi], frag_b[pair][2],
+                                     frag_b[pair][3]);
+                    }
                 }
             }
         }
@@ -347,13 +375,13 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
     for (int mi = 0; mi < kTilesM; ++mi) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const int row = mi * 16 + group + 8 * r;
+            const int row = warp_row + mi * 16 + group + 8 * r;
             if (row >= rows) continue;
             T* out_row = out + static_cast<long long>(first + row) * p.n_out;
             if constexpr (kGated) {
 #pragma unroll
                 for (int nb = 0; nb < kTilesN / 2; ++nb) {
-                    const int column = n_block * (kBlockN / 2) + b_row(warp, nb) + quad * 2;
+                    const int column = n_block * (kBlockN / 2) + b_row(warp_n, nb) + quad * 2;
                     if (column >= p.n_out) continue;
                     float h[2];
 #pragma unroll
@@ -367,7 +395,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
             } else {
 #pragma unroll
                 for (int nb = 0; nb < kTilesN; ++nb) {
-                    const int column = n_block * kBlockN + b_row(warp, nb) + quad * 2;
+                    const int column = n_block * kBlockN + b_row(warp_n, nb) + quad * 2;
                     if (column >= p.n_out) continue;
                     *reinterpret_cast<unsigned*>(out_row + column) =
                         pack2<T>(acc[mi][nb][2 * r], acc[mi][nb][2 * r + 1]);
