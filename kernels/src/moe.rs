@@ -39,11 +39,12 @@ const OP: &str = "moe_experts";
 /// Returns `[N, H]` in the dtype of `x`.
 ///
 /// On CUDA, [`MoeExpertsAlgorithm::for_rows`] picks how (see
-/// [`moe_experts_with`]): up to 256 routed rows `N * k` (a decode step of 32
-/// sequences at top-8) stream each chosen expert's weights once per group of
-/// up to 8 of its rows; more rows (prompts, larger decode batches) run both
-/// projections as grouped GEMMs on the tensor cores, grouped by expert on the
-/// device (bf16, f16), or through cuBLAS after reading the ids back (f32).
+/// [`moe_experts_with`]): fewer than 128 routed rows `N * k` (a decode step
+/// of up to 15 sequences at top-8) stream each chosen expert's weights once
+/// per group of up to 8 of its rows; more rows (prompts, larger decode
+/// batches) run both projections as grouped GEMMs on the tensor cores,
+/// grouped by expert on the device (bf16, f16), or through cuBLAS after
+/// reading the ids back (f32, the exactness path).
 /// The CPU and the f32 grouped path fail on an id at or above `E`; the
 /// other CUDA paths cannot check the ids without waiting for the device and
 /// skip such an id (its term is left out of the sum).
@@ -82,18 +83,21 @@ pub enum MoeExpertsAlgorithm {
     Grouped,
 }
 
-/// Up to this many routed rows (tokens x top-k) [`moe_experts`] runs
-/// [`MoeExpertsAlgorithm::Streamed`], more [`MoeExpertsAlgorithm::Grouped`]:
-/// the crossover measured on an H200 at BerryLM-OS shapes (`CUDA.md`).
-const STREAMED_MAX_ROUTED_ROWS: usize = 256;
+/// From this many routed rows (tokens x top-k) on [`moe_experts`] runs
+/// [`MoeExpertsAlgorithm::Grouped`], below it
+/// [`MoeExpertsAlgorithm::Streamed`]: on an H200 at BerryLM-OS shapes (bf16)
+/// the grouped GEMMs measured faster at 128 routed rows (0.202 against 0.222
+/// ms) and at every larger size timed; fewer rows were not timed, so they
+/// keep the streamed kernels (`CUDA.md`).
+const GROUPED_MIN_ROUTED_ROWS: usize = 128;
 
 impl MoeExpertsAlgorithm {
     /// The algorithm [`moe_experts`] picks for `routed_rows` routed rows.
     pub fn for_rows(routed_rows: usize) -> MoeExpertsAlgorithm {
-        if routed_rows <= STREAMED_MAX_ROUTED_ROWS {
-            MoeExpertsAlgorithm::Streamed
-        } else {
+        if routed_rows >= GROUPED_MIN_ROUTED_ROWS {
             MoeExpertsAlgorithm::Grouped
+        } else {
+            MoeExpertsAlgorithm::Streamed
         }
     }
 }

@@ -1941,9 +1941,10 @@ fn moe_experts_case(seed: u64, tokens: usize, dims: [usize; 4], dtype: DType) ->
 }
 
 /// BerryLM-OS widths (hidden 2048, expert width 512, top-8) with 16 experts
-/// (the CPU reference's time), at decode batches 1, 8 and 32: fewer routed
-/// rows than experts (a block per routed row) and more (a block per expert,
-/// several tokens per expert and groups of 8 tokens).
+/// (the CPU reference's time), at decode batches 1, 8 and 32, through what
+/// `moe_experts` picks: the streamed kernels with fewer routed rows than
+/// experts (a block per routed row) and more (a block per expert, several
+/// tokens per expert), and the grouped GEMMs at 256 routed rows.
 #[test]
 fn moe_experts_matches_cpu_at_model_widths() -> Result<()> {
     sweep_seeds(2500, [1, 8, 32], &ALL_DTYPES, |seed, tokens, dtype| {

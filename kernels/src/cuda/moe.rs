@@ -199,13 +199,14 @@ impl ExpertGroups {
 /// elements; other views are copied first), and at most
 /// `berrylm_moe_grouped_max_experts()` experts.
 fn takes_tensor_cores(args: &MoeExpertsArgs<'_>) -> bool {
-    let starts_aligned =
-        |tensor: &Tensor| !tensor.is_contiguous() || tensor.layout().start_offset() % 8 == 0;
+    let starts_aligned = |tensor: &Tensor| {
+        !tensor.is_contiguous() || tensor.layout().start_offset().is_multiple_of(8)
+    };
     // SAFETY: a constant query without arguments.
     let max_experts = unsafe { berrylm_moe_grouped_max_experts() };
     matches!(args.x.dtype(), DType::BF16 | DType::F16)
-        && args.hidden % 8 == 0
-        && args.inter % 8 == 0
+        && args.hidden.is_multiple_of(8)
+        && args.inter.is_multiple_of(8)
         && [args.x, args.gate_up, args.down]
             .into_iter()
             .all(starts_aligned)
