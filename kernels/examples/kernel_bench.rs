@@ -269,32 +269,30 @@ struct MoeInputs {
 /// `moe_experts_with` at BerryLM-OS shapes, routed by `moe_route` on random
 /// logits, with each algorithm that takes the call.
 fn moe_table(device: &Device) -> candle_core::Result<()> {
-    const EXPERTS: usize = 128;
-    const TOP_K: usize = 8;
-    const HIDDEN: usize = 2048;
-    const INTER: usize = 512;
-    println!("moe_experts, E={EXPERTS} k={TOP_K} H={HIDDEN} I={INTER}, bf16");
+    // BerryLM-OS: experts, top-k, hidden size, expert width.
+    let [experts, top_k, hidden, inter] = [128usize, 8, 2048, 512];
+    println!("moe_experts, E={experts} k={top_k} H={hidden} I={inter}, bf16");
     println!("| tokens | routed rows | experts chosen | algorithm | GPU ms/call | TFLOP/s (GPU) | weights GB/s (GPU) | host ms/call |");
     println!("|---:|---:|---:|---|---:|---:|---:|---:|");
     let uniform = |dims: &[usize], scale: f32| {
         Tensor::rand(-scale, scale, dims, device)?.to_dtype(DType::BF16)
     };
-    let experts = [
-        uniform(&[EXPERTS, 2 * INTER, HIDDEN], 0.05)?,
-        uniform(&[EXPERTS, HIDDEN, INTER], 0.05)?,
+    let expert_weights = [
+        uniform(&[experts, 2 * inter, hidden], 0.05)?,
+        uniform(&[experts, hidden, inter], 0.05)?,
     ];
     for tokens in [16usize, 32, 64, 128, 256, 4096, 32768] {
-        let logits = Tensor::rand(-3f32, 3.0, (tokens, EXPERTS), device)?;
-        let (weights, ids) = moe_route(&logits, TOP_K, true, DType::F32)?;
+        let logits = Tensor::rand(-3f32, 3.0, (tokens, experts), device)?;
+        let (weights, ids) = moe_route(&logits, top_k, true, DType::F32)?;
         let mut chosen: Vec<u32> = ids.flatten_all()?.to_vec1()?;
         chosen.sort_unstable();
         chosen.dedup();
         let x = MoeInputs {
-            tokens: [uniform(&[tokens, HIDDEN], 2.0)?, weights, ids],
-            experts: experts.clone(),
+            tokens: [uniform(&[tokens, hidden], 2.0)?, weights, ids],
+            experts: expert_weights.clone(),
         };
         let iters = if tokens > 1000 { 20 } else { 200 };
-        let routed = tokens * TOP_K;
+        let routed = tokens * top_k;
         let picked = MoeExpertsAlgorithm::for_rows(routed);
         for algorithm in [MoeExpertsAlgorithm::Streamed, MoeExpertsAlgorithm::Grouped] {
             if algorithm == MoeExpertsAlgorithm::Streamed && routed > 4096 {
@@ -306,8 +304,8 @@ fn moe_table(device: &Device) -> candle_core::Result<()> {
                 drop(moe_experts_with(algorithm, x, weights, ids, gate_up, down)?);
                 Ok(())
             })?;
-            let flops = 2.0 * (routed * 3 * HIDDEN * INTER) as f64;
-            let weight_bytes = (chosen.len() * 3 * HIDDEN * INTER * 2) as f64;
+            let flops = 2.0 * (routed * 3 * hidden * inter) as f64;
+            let weight_bytes = (chosen.len() * 3 * hidden * inter * 2) as f64;
             let mark = if algorithm == picked { " (picked)" } else { "" };
             println!(
                 "| {tokens} | {routed} | {} | {algorithm:?}{mark} | {:.3} | {:.1} | {:.0} | {:.3} |",

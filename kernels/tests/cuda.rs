@@ -1927,17 +1927,24 @@ fn moe_checked(
     Ok(())
 }
 
-/// `moe_experts` (the algorithm it picks) on `case`, every token checked.
+/// [`moe_checked`] of `case`'s inputs, drawn from `rng`, with `algorithm`.
+fn moe_case_with(
+    rng: &mut Rng,
+    case: MoeCase,
+    dtype: DType,
+    algorithm: MoeExpertsAlgorithm,
+) -> Result<()> {
+    let inputs = moe_inputs(rng, case, dtype)?;
+    let what = format!("{} {algorithm:?}", case.describe(dtype));
+    moe_checked(&what, inputs.each_ref(), algorithm, case.check_every)
+}
+
+/// `moe_experts` (the algorithm it picks) on `tokens` tokens routed at
+/// `dims`, every token checked.
 fn moe_experts_case(seed: u64, tokens: usize, dims: [usize; 4], dtype: DType) -> Result<()> {
-    let case = MoeCase::routed(tokens, dims);
-    let inputs = moe_inputs(&mut Rng::new(seed), case, dtype)?;
     let algorithm = MoeExpertsAlgorithm::for_rows(tokens * dims[1]);
-    moe_checked(
-        &case.describe(dtype),
-        inputs.each_ref(),
-        algorithm,
-        case.check_every,
-    )
+    let case = MoeCase::routed(tokens, dims);
+    moe_case_with(&mut Rng::new(seed), case, dtype, algorithm)
 }
 
 /// BerryLM-OS widths (hidden 2048, expert width 512, top-8) with 16 experts
@@ -2006,16 +2013,7 @@ fn moe_experts_tensor_core_tiles_match_cpu() -> Result<()> {
         2670,
         GROUPED_TILE_CASES,
         &HALF_DTYPES,
-        |rng, case, dtype| {
-            let inputs = moe_inputs(rng, case, dtype)?;
-            let what = format!("{} grouped", case.describe(dtype));
-            moe_checked(
-                &what,
-                inputs.each_ref(),
-                MoeExpertsAlgorithm::Grouped,
-                case.check_every,
-            )
-        },
+        |rng, case, dtype| moe_case_with(rng, case, dtype, MoeExpertsAlgorithm::Grouped),
     )
 }
 
@@ -2033,15 +2031,9 @@ fn moe_experts_matches_cpu_at_berrylm_os_prompts() -> Result<()> {
         check_every: tokens / 128,
     });
     sweep(2690, cases, &HALF_DTYPES, |rng, case, dtype| {
-        let inputs = moe_inputs(rng, case, dtype)?;
         let algorithm = MoeExpertsAlgorithm::for_rows(case.tokens * TOP_K);
         assert_eq!(algorithm, MoeExpertsAlgorithm::Grouped);
-        moe_checked(
-            &case.describe(dtype),
-            inputs.each_ref(),
-            algorithm,
-            case.check_every,
-        )
+        moe_case_with(rng, case, dtype, algorithm)
     })
 }
 
@@ -2051,14 +2043,7 @@ fn moe_experts_matches_cpu_at_berrylm_os_prompts() -> Result<()> {
 fn moe_experts_streamed_matches_cpu_up_to_its_limit() -> Result<()> {
     let case = MoeCase::routed(512, [16, TOP_K, 64, 24]);
     sweep(2700, [case], &F32_BF16, |rng, case, dtype| {
-        let inputs = moe_inputs(rng, case, dtype)?;
-        let what = format!("{} streamed", case.describe(dtype));
-        moe_checked(
-            &what,
-            inputs.each_ref(),
-            MoeExpertsAlgorithm::Streamed,
-            case.check_every,
-        )
+        moe_case_with(rng, case, dtype, MoeExpertsAlgorithm::Streamed)
     })
 }
 

@@ -77,13 +77,21 @@ extern "C" {
         tokens_of: *mut u32,
         h: *mut c_void,
         expert_out: *mut c_void,
-        tokens: c_int,
-        top_k: c_int,
-        experts: c_int,
-        hidden: c_int,
-        inter: c_int,
+        sizes: MoeSizes,
         stream: *mut c_void,
     ) -> c_int;
+}
+
+/// The sizes of a `berrylm_moe_grouped_experts` call (`MoeSizes` in
+/// moe_grouped.cu).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MoeSizes {
+    tokens: c_int,
+    top_k: c_int,
+    experts: c_int,
+    hidden: c_int,
+    inter: c_int,
 }
 
 impl MoeExpertsArgs<'_> {
@@ -222,6 +230,13 @@ fn takes_tensor_cores(args: &MoeExpertsArgs<'_>) -> bool {
 fn moe_experts_tensor_cores(args: &MoeExpertsArgs<'_>) -> Result<Tensor> {
     let routed = args.tokens * args.top_k;
     let [tokens, top_k, experts, hidden, inter] = args.c_sizes()?;
+    let sizes = MoeSizes {
+        tokens,
+        top_k,
+        experts,
+        hidden,
+        inter,
+    };
     let routed_c = c_size(OP, "ids", routed)?;
     let (mut chunk_len, mut tiles_len) = (0i64, 0i64);
     // SAFETY: writes the two lengths through valid pointers.
@@ -246,8 +261,7 @@ fn moe_experts_tensor_cores(args: &MoeExpertsArgs<'_>) -> Result<Tensor> {
     let outputs = run_kernel!(launch => berrylm_moe_grouped_experts(
         dtype(dtype), input(x), input(ids), input(gate_up), input(down),
         output(chunk_counts), output(offsets), output(tiles), output(tile_count),
-        output(positions), output(tokens_of), output(h), output(expert_out),
-        tokens, top_k, experts, hidden, inter
+        output(positions), output(tokens_of), output(h), output(expert_out), sizes
     ))?;
     combine(
         &outputs.tensor(expert_out),

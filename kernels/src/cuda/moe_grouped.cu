@@ -473,6 +473,16 @@ int launch(const Buffers& b, int tokens, int top_k, int experts, int hidden, int
 
 using namespace berrylm::moe_grouped;
 
+// The sizes of a call (`MoeSizes` in src/cuda/moe.rs): R = tokens * top_k
+// routed rows, E experts, hidden H and expert width I.
+struct MoeSizes {
+    int tokens;
+    int top_k;
+    int experts;
+    int hidden;
+    int inter;
+};
+
 // The u32 scratch lengths of `berrylm_moe_grouped_experts` for `routed`
 // rows (tokens x top_k) and `experts`: chunk counts, tile table (4 words a
 // tile).
@@ -497,8 +507,12 @@ extern "C" int berrylm_moe_grouped_experts(int dtype, const void* x, const uint3
                                            uint32_t* chunk_counts, uint32_t* offsets,
                                            uint32_t* tiles, uint32_t* tile_count,
                                            uint32_t* positions, uint32_t* tokens_of, void* h,
-                                           void* expert_out, int tokens, int top_k, int experts,
-                                           int hidden, int inter, void* stream) {
+                                           void* expert_out, MoeSizes sizes, void* stream) {
+    const int tokens = sizes.tokens;
+    const int top_k = sizes.top_k;
+    const int experts = sizes.experts;
+    const int hidden = sizes.hidden;
+    const int inter = sizes.inter;
     if (tokens == 0) return 0;
     if (top_k <= 0 || experts <= 0 || experts > kMaxExperts || hidden <= 0 || inter <= 0 ||
         hidden % 8 != 0 || inter % 8 != 0 ||
