@@ -58,6 +58,10 @@ struct Cli {
     /// Skip the per-kernel timings.
     #[arg(long)]
     no_kernels: bool,
+    /// Skip the host cost per operation table (under a profiler it is most of
+    /// the run's kernels).
+    #[arg(long)]
+    no_op_costs: bool,
     /// Size of the bandwidth copy in MiB; default 1024 on a GPU, 256 on the CPU.
     #[arg(long, value_parser = positive())]
     copy_mib: Option<usize>,
@@ -166,6 +170,8 @@ pub struct Args {
     pub kernel_tokens: usize,
     pub kernel_ms: f64,
     pub kernels: bool,
+    /// Whether to print the host cost per operation table.
+    pub op_costs: bool,
     pub copy_mib: usize,
     pub seed: u64,
     pub json: Option<PathBuf>,
@@ -219,6 +225,7 @@ impl Cli {
             kernel_tokens: self.kernel_tokens,
             kernel_ms: self.kernel_ms as f64,
             kernels: !self.no_kernels,
+            op_costs: !self.no_op_costs,
             copy_mib: self.copy_mib.unwrap_or(match device {
                 DeviceKind::Cuda => 1024,
                 DeviceKind::Cpu => 256,

@@ -80,7 +80,9 @@ fn run() -> Result<bool> {
     let mut report = bench.header();
 
     report["bandwidth"] = bench.bandwidth();
-    report["op_costs"] = bench.op_costs();
+    if args.op_costs {
+        report["op_costs"] = bench.op_costs();
+    }
 
     let start = Instant::now();
     let model = shape::build_model(&shape, args.dtype.candle(), &device)?;

@@ -14,7 +14,13 @@
 //! `--decode-only` / `--prefill-only` print one table. `--attention` times
 //! `causal_attention` instead (B 1, Hq 16, Hkv 2, D 256, T = L = 4096 and
 //! 16384, bf16), reporting ms and TFLOP/s of the causal FLOPs
-//! `4 * B * Hq * D * T (T + 1) / 2`.
+//! `4 * B * Hq * D * T (T + 1) / 2`. `--moe` times `moe_experts_with` at
+//! BerryLM-OS shapes (128 experts, top-8, hidden 2048, expert width 512,
+//! bf16) for 16 to 32768 tokens (128 to 262144 routed rows), with each
+//! `MoeExpertsAlgorithm` that takes the call (`Streamed` up to 4096 rows),
+//! marking the one `moe_experts` picks, and reports ms, TFLOP/s of the
+//! expert GEMMs `2 * rows * 3 * H * I` and the GB/s of the chosen experts'
+//! weights read once (the decode floor).
 //!
 //! Each figure is the mean over many back-to-back calls on candle's stream,
 //! timed with CUDA events around the loop (GPU time, outputs allocated per
@@ -24,7 +30,10 @@
 
 use std::time::Instant;
 
-use berrylm_kernels::{causal_attention, kda_recurrence_with, KdaPrefillAlgorithm};
+use berrylm_kernels::{
+    causal_attention, kda_recurrence_with, moe_experts_with, moe_route, KdaPrefillAlgorithm,
+    MoeExpertsAlgorithm,
+};
 use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
 use candle_core::{DType, Device, Tensor};
 
@@ -116,6 +125,9 @@ fn main() -> candle_core::Result<()> {
     let device = Device::new_cuda(0)?;
     if std::env::args().any(|a| a == "--attention") {
         return attention_table(&device);
+    }
+    if std::env::args().any(|a| a == "--moe") {
+        return moe_table(&device);
     }
     println!("kda_recurrence, Hk={HK} Hv={HV} dk={DK} dv={DV}, q/k/v bf16, g/beta/state f32");
     // Warm-up (clocks, allocator pools) before anything is timed.
@@ -243,6 +255,67 @@ fn attention_table(device: &Device) -> candle_core::Result<()> {
             flops / gpu * 1e-12,
             host * 1e3
         );
+    }
+    Ok(())
+}
+
+/// The routed experts' inputs of one call: `[x, weights, ids]` of `tokens`
+/// tokens and the experts' `[gate_up, down]`.
+struct MoeInputs {
+    tokens: [Tensor; 3],
+    experts: [Tensor; 2],
+}
+
+/// `moe_experts_with` at BerryLM-OS shapes, routed by `moe_route` on random
+/// logits, with each algorithm that takes the call.
+fn moe_table(device: &Device) -> candle_core::Result<()> {
+    // BerryLM-OS: experts, top-k, hidden size, expert width.
+    let [experts, top_k, hidden, inter] = [128usize, 8, 2048, 512];
+    println!("moe_experts, E={experts} k={top_k} H={hidden} I={inter}, bf16");
+    println!("| tokens | routed rows | experts chosen | algorithm | GPU ms/call | TFLOP/s (GPU) | weights GB/s (GPU) | host ms/call |");
+    println!("|---:|---:|---:|---|---:|---:|---:|---:|");
+    let uniform = |dims: &[usize], scale: f32| {
+        Tensor::rand(-scale, scale, dims, device)?.to_dtype(DType::BF16)
+    };
+    let expert_weights = [
+        uniform(&[experts, 2 * inter, hidden], 0.05)?,
+        uniform(&[experts, hidden, inter], 0.05)?,
+    ];
+    for tokens in [16usize, 32, 64, 128, 256, 4096, 32768] {
+        let logits = Tensor::rand(-3f32, 3.0, (tokens, experts), device)?;
+        let (weights, ids) = moe_route(&logits, top_k, true, DType::F32)?;
+        let mut chosen: Vec<u32> = ids.flatten_all()?.to_vec1()?;
+        chosen.sort_unstable();
+        chosen.dedup();
+        let x = MoeInputs {
+            tokens: [uniform(&[tokens, hidden], 2.0)?, weights, ids],
+            experts: expert_weights.clone(),
+        };
+        let iters = if tokens > 1000 { 20 } else { 200 };
+        let routed = tokens * top_k;
+        let picked = MoeExpertsAlgorithm::for_rows(routed);
+        for algorithm in [MoeExpertsAlgorithm::Streamed, MoeExpertsAlgorithm::Grouped] {
+            if algorithm == MoeExpertsAlgorithm::Streamed && routed > 4096 {
+                continue;
+            }
+            let (gpu, host) = time_calls(device, &x, iters, |inputs| {
+                let [x, weights, ids] = &inputs.tokens;
+                let [gate_up, down] = &inputs.experts;
+                drop(moe_experts_with(algorithm, x, weights, ids, gate_up, down)?);
+                Ok(())
+            })?;
+            let flops = 2.0 * (routed * 3 * hidden * inter) as f64;
+            let weight_bytes = (chosen.len() * 3 * hidden * inter * 2) as f64;
+            let mark = if algorithm == picked { " (picked)" } else { "" };
+            println!(
+                "| {tokens} | {routed} | {} | {algorithm:?}{mark} | {:.3} | {:.1} | {:.0} | {:.3} |",
+                chosen.len(),
+                gpu * 1e3,
+                flops / gpu * 1e-12,
+                weight_bytes / gpu * 1e-9,
+                host * 1e3
+            );
+        }
     }
     Ok(())
 }

@@ -20,6 +20,7 @@
 //! | [`sigmoid_gate_mul`] | 3.5 step 5 | the attention output times the sigmoid of its gate |
 //! | [`moe_route`] | 3.7 | MoE router: softmax, top-k with `torch.topk`'s order, optional renormalisation |
 //! | [`moe_experts`] | 3.7 step 3 | the routed experts' weighted sum, accumulated in expert order (decode kernels; grouped GEMMs for prompts on CUDA) |
+//! | [`moe_experts_with`] | 3.7 step 3 | the same, with an explicit [`MoeExpertsAlgorithm`] for CUDA; a test and benchmark reference |
 //! | [`swiglu`] | 3.7 step 3-4 | an expert's `silu(gate) * up` from its packed gate-then-up projection |
 //! | [`add_moe_output`] | 3.7 step 4-5 | the sigmoid-gated shared expert plus the routed output, added to the residual |
 //!
@@ -84,7 +85,7 @@ pub use conv::{
 pub use gate::{kda_beta, kda_gate};
 pub use gate_mul::sigmoid_gate_mul;
 pub use mlp::{add_moe_output, swiglu};
-pub use moe::moe_experts;
+pub use moe::{moe_experts, moe_experts_with, MoeExpertsAlgorithm};
 pub use norm::{add_offset_rms_norm, gated_rms_norm, offset_rms_norm};
 pub use recurrence::{
     kda_recurrence, kda_recurrence_in_pool_with, kda_recurrence_with, KdaPrefillAlgorithm,

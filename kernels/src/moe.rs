@@ -1,5 +1,5 @@
-//! The routed experts of the MoE block (spec 3.7 step 3) for decode-sized
-//! batches, with the reference's rounding points.
+//! The routed experts of the MoE block (spec 3.7 step 3), with the
+//! reference's rounding points.
 
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
@@ -38,17 +38,74 @@ const OP: &str = "moe_experts";
 ///
 /// Returns `[N, H]` in the dtype of `x`.
 ///
-/// On CUDA, up to 256 routed rows `N * k` (a decode step of 32 sequences at
-/// top-8) take three launches in which each expert's weights are read once
-/// per group of up to 8 of the tokens routed to it; more rows (prompts, larger
-/// decode batches) read the ids back once, gather the rows by expert and run
-/// both projections as cuBLAS grouped GEMMs on the tensor cores (f32
-/// accumulation, one rounding per output, as the reference's `Linear`), with
-/// the same SwiGLU and combine.
-/// The CPU and the grouped path fail on an id at or above `E`; the decode
-/// kernels cannot check the ids without waiting for the device and skip such
-/// an id.
+/// On CUDA, [`MoeExpertsAlgorithm::for_rows`] picks how (see
+/// [`moe_experts_with`]): fewer than 128 routed rows `N * k` (a decode step
+/// of up to 15 sequences at top-8) stream each chosen expert's weights once
+/// per group of up to 8 of its rows; more rows (prompts, larger decode
+/// batches) run both projections as grouped GEMMs on the tensor cores,
+/// grouped by expert on the device (bf16, f16), or through cuBLAS after
+/// reading the ids back (f32, the exactness path).
+/// The CPU and the f32 grouped path fail on an id at or above `E`; the
+/// other CUDA paths cannot check the ids without waiting for the device and
+/// skip such an id (its term is left out of the sum).
 pub fn moe_experts(
+    x: &Tensor,
+    weights: &Tensor,
+    ids: &Tensor,
+    gate_up: &Tensor,
+    down: &Tensor,
+) -> Result<Tensor> {
+    let routed = ids.dims().iter().product();
+    let algorithm = MoeExpertsAlgorithm::for_rows(routed);
+    moe_experts_with(algorithm, x, weights, ids, gate_up, down)
+}
+
+/// How [`moe_experts_with`] computes the routed experts on CUDA.
+///
+/// The choice only matters for CUDA tensors; on the CPU both run the same
+/// reference. Both have the reference's rounding points and differ from it
+/// (and from each other) only in the order of the f32 sums of the
+/// projections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MoeExpertsAlgorithm {
+    /// `moe.cu`'s decode kernels: a block per chosen expert and 8 of its
+    /// weight rows streams them once per group of up to 8 of the expert's
+    /// routed rows (f32 dot products on the CUDA cores). Takes up to 4096
+    /// routed rows; larger calls run [`MoeExpertsAlgorithm::Grouped`].
+    Streamed,
+    /// The routed rows grouped by expert and both projections as grouped
+    /// GEMMs: for bf16 and f16 `moe_grouped.cu` on the tensor cores
+    /// (`mma.sync`, f32 accumulation, the SwiGLU fused into the `gate | up`
+    /// GEMM), the grouping computed on the device, so nothing waits for it
+    /// (shapes it does not take, see `CUDA.md`, run as for f32); for f32,
+    /// the exactness path, two cuBLAS grouped GEMMs with f32 arithmetic after
+    /// the ids are read back to the host.
+    Grouped,
+}
+
+/// From this many routed rows (tokens x top-k) on [`moe_experts`] runs
+/// [`MoeExpertsAlgorithm::Grouped`], below it
+/// [`MoeExpertsAlgorithm::Streamed`]: on an H200 at BerryLM-OS shapes (bf16)
+/// the grouped GEMMs measured faster at 128 routed rows (0.202 against 0.222
+/// ms) and at every larger size timed; fewer rows were not timed, so they
+/// keep the streamed kernels (`CUDA.md`).
+const GROUPED_MIN_ROUTED_ROWS: usize = 128;
+
+impl MoeExpertsAlgorithm {
+    /// The algorithm [`moe_experts`] picks for `routed_rows` routed rows.
+    pub fn for_rows(routed_rows: usize) -> MoeExpertsAlgorithm {
+        if routed_rows >= GROUPED_MIN_ROUTED_ROWS {
+            MoeExpertsAlgorithm::Grouped
+        } else {
+            MoeExpertsAlgorithm::Streamed
+        }
+    }
+}
+
+/// [`moe_experts`] with an explicit [`MoeExpertsAlgorithm`] for CUDA
+/// tensors (a test and benchmark reference; the CPU ignores it).
+pub fn moe_experts_with(
+    algorithm: MoeExpertsAlgorithm,
     x: &Tensor,
     weights: &Tensor,
     ids: &Tensor,
@@ -115,8 +172,12 @@ pub fn moe_experts(
     on_device!(
         OP,
         device,
-        cpu_moe_experts(&args),
-        crate::cuda::moe_experts(&args),
+        {
+            // One reference for both algorithms (the choice is CUDA-only).
+            let _ = algorithm;
+            cpu_moe_experts(&args)
+        },
+        crate::cuda::moe_experts(&args, algorithm),
     )
 }
 

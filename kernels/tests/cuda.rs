@@ -19,9 +19,9 @@ mod attention;
 use berrylm_kernels::{
     add_moe_output, add_offset_rms_norm, attn_res_mix, causal_conv1d, causal_conv1d_split,
     causal_conv1d_split_in_pool, gated_rms_norm, kda_beta, kda_gate, kda_recurrence,
-    kda_recurrence_in_pool_with, kda_recurrence_with, moe_experts, moe_route, offset_rms_norm,
-    offset_rms_norm_rope, sigmoid_gate_mul, swiglu, KdaPrefillAlgorithm, KernelError, Result,
-    StatePool,
+    kda_recurrence_in_pool_with, kda_recurrence_with, moe_experts, moe_experts_with, moe_route,
+    offset_rms_norm, offset_rms_norm_rope, sigmoid_gate_mul, swiglu, KdaPrefillAlgorithm,
+    KernelError, MoeExpertsAlgorithm, Result, StatePool,
 };
 use std::sync::OnceLock;
 
@@ -202,6 +202,9 @@ fn compare_on_both<const N: usize>(
 
 /// The three activation dtypes.
 const ALL_DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
+
+/// The half-precision activation dtypes.
+const HALF_DTYPES: [DType; 2] = [DType::BF16, DType::F16];
 
 /// The activation dtypes without f16.
 const F32_BF16: [DType; 2] = [DType::F32, DType::BF16];
@@ -1833,33 +1836,122 @@ fn moe_routing(
     moe_route(&logits, top_k, true, DType::F32)
 }
 
-fn moe_experts_case(seed: u64, tokens: usize, dims: [usize; 4], dtype: DType) -> Result<()> {
-    let [experts, top_k, hidden, inter] = dims;
-    let mut rng = Rng::new(seed);
-    let x = random(&mut rng, &[tokens, hidden], -2.0, 2.0, dtype)?;
-    let gate_up = random(&mut rng, &[experts, 2 * inter, hidden], -0.05, 0.05, dtype)?;
-    let down = random(&mut rng, &[experts, hidden, inter], -0.05, 0.05, dtype)?;
-    let (weights, ids) = moe_routing(&mut rng, tokens, experts, top_k)?;
-    let (cuda, cpu) = on_both(
-        [&x, &weights, &ids, &gate_up, &down],
-        |[x, weights, ids, gate_up, down]| moe_experts(x, weights, ids, gate_up, down),
-    )?;
-    // Bounded, not counted: a rounding of `gate | up` or `h` that flips
-    // (the dot products' summation orders differ) moves every output that
-    // reads it, so in f16 a fifth of the outputs can differ by a step.
-    within(
-        &format!("moe_experts N={tokens} E={experts} k={top_k} H={hidden} I={inter} {dtype:?}"),
-        &cuda,
-        &cpu,
-        output_tol(dtype),
-    )?;
+/// How a `moe_experts` case routes its tokens.
+#[derive(Clone, Copy)]
+enum Routing {
+    /// [`moe_routing`] of random logits.
+    Random,
+    /// Every token to this one expert, weight in [0.5, 1) (top-1).
+    AllTo(u32),
+}
+
+/// A `moe_experts` case: `tokens` tokens at `[E, k, H, I]`, routed by
+/// `routing`; the CPU reference checks every `check_every`-th token and the
+/// last.
+#[derive(Clone, Copy)]
+struct MoeCase {
+    tokens: usize,
+    dims: [usize; 4],
+    routing: Routing,
+    check_every: usize,
+}
+
+impl MoeCase {
+    /// `tokens` tokens at `dims`, routed by [`moe_routing`], all checked.
+    const fn routed(tokens: usize, dims: [usize; 4]) -> MoeCase {
+        MoeCase {
+            tokens,
+            dims,
+            routing: Routing::Random,
+            check_every: 1,
+        }
+    }
+
+    fn describe(&self, dtype: DType) -> String {
+        let [experts, top_k, hidden, inter] = self.dims;
+        let tokens = self.tokens;
+        format!("moe_experts N={tokens} E={experts} k={top_k} H={hidden} I={inter} {dtype:?}")
+    }
+}
+
+/// The CPU inputs `[x, weights, ids, gate_up, down]` of `case`.
+fn moe_inputs(rng: &mut Rng, case: MoeCase, dtype: DType) -> Result<[Tensor; 5]> {
+    let [experts, top_k, hidden, inter] = case.dims;
+    let tokens = case.tokens;
+    let x = random(rng, &[tokens, hidden], -2.0, 2.0, dtype)?;
+    let gate_up = random(rng, &[experts, 2 * inter, hidden], -0.05, 0.05, dtype)?;
+    let down = random(rng, &[experts, hidden, inter], -0.05, 0.05, dtype)?;
+    let (weights, ids) = match case.routing {
+        Routing::Random => moe_routing(rng, tokens, experts, top_k)?,
+        Routing::AllTo(expert) => {
+            assert_eq!(top_k, 1, "one expert per token");
+            let weights = random(rng, &[tokens, 1], 0.5, 1.0, DType::F32)?;
+            (weights, Tensor::full(expert, (tokens, 1), &Device::Cpu)?)
+        }
+    };
+    Ok([x, weights, ids, gate_up, down])
+}
+
+/// `moe_experts_with(algorithm)` on GPU copies of the CPU tensors
+/// `[x, weights, ids, gate_up, down]` against the CPU reference, on every
+/// `check_every`-th token and the last: a token's output depends on its own
+/// rows of x, weights and ids only, so the reference of those rows alone is
+/// theirs, while the GPU groups all the tokens.
+///
+/// Bounded by `output_tol`, not counted: a rounding of `gate | up` or `h`
+/// that flips (the projections' f32 sums run in another order) moves every
+/// output that reads it, so in f16 a fifth of the outputs can differ by a
+/// step. The bound is one step of the dtype at the value plus one at the
+/// largest output, twice: enough for a flipped rounding of a term or of the
+/// running sum, and far below the error of a wrong row, expert or weight.
+fn moe_checked(
+    what: &str,
+    inputs: [&Tensor; 5],
+    algorithm: MoeExpertsAlgorithm,
+    check_every: usize,
+) -> Result<()> {
+    let [x, weights, ids, gate_up, down] = inputs;
+    let tokens = x.dim(0)?;
+    let mut checked: Vec<u32> = (0..tokens as u32).step_by(check_every).collect();
+    if checked.last() != Some(&(tokens as u32 - 1)) {
+        checked.push(tokens as u32 - 1);
+    }
+    let checked = Tensor::new(checked.as_slice(), &Device::Cpu)?;
+    let rows = |tensor: &Tensor| tensor.index_select(&checked, 0);
+    let cpu = moe_experts(&rows(x)?, &rows(weights)?, &rows(ids)?, gate_up, down)?;
+    let copies = to_gpu_all(&inputs.map(Tensor::clone))?;
+    let [x, weights, ids, gate_up, down] = std::array::from_fn(|i| &copies[i]);
+    let cuda = moe_experts_with(algorithm, x, weights, ids, gate_up, down)?
+        .index_select(&to_gpu(&checked, &gpu())?, 0)?;
+    within(what, &cuda, &cpu, output_tol(x.dtype()))?;
     Ok(())
 }
 
+/// [`moe_checked`] of `case`'s inputs, drawn from `rng`, with `algorithm`.
+fn moe_case_with(
+    rng: &mut Rng,
+    case: MoeCase,
+    dtype: DType,
+    algorithm: MoeExpertsAlgorithm,
+) -> Result<()> {
+    let inputs = moe_inputs(rng, case, dtype)?;
+    let what = format!("{} {algorithm:?}", case.describe(dtype));
+    moe_checked(&what, inputs.each_ref(), algorithm, case.check_every)
+}
+
+/// `moe_experts` (the algorithm it picks) on `tokens` tokens routed at
+/// `dims`, every token checked.
+fn moe_experts_case(seed: u64, tokens: usize, dims: [usize; 4], dtype: DType) -> Result<()> {
+    let algorithm = MoeExpertsAlgorithm::for_rows(tokens * dims[1]);
+    let case = MoeCase::routed(tokens, dims);
+    moe_case_with(&mut Rng::new(seed), case, dtype, algorithm)
+}
+
 /// BerryLM-OS widths (hidden 2048, expert width 512, top-8) with 16 experts
-/// (the CPU reference's time), at decode batches 1, 8 and 32: fewer routed
-/// rows than experts (a block per routed row) and more (a block per expert,
-/// several tokens per expert and groups of 8 tokens).
+/// (the CPU reference's time), at decode batches 1, 8 and 32, through what
+/// `moe_experts` picks: the streamed kernels with fewer routed rows than
+/// experts (a block per routed row) and more (a block per expert, several
+/// tokens per expert), and the grouped GEMMs at 256 routed rows.
 #[test]
 fn moe_experts_matches_cpu_at_model_widths() -> Result<()> {
     sweep_seeds(2500, [1, 8, 32], &ALL_DTYPES, |seed, tokens, dtype| {
@@ -1878,9 +1970,11 @@ fn moe_experts_matches_cpu_at_odd_sizes() -> Result<()> {
 }
 
 /// Prompt-sized calls and decode steps of more than 32 sequences: more routed
-/// rows than the decode kernels take (256),
-/// so the rows are gathered by expert and both projections run as grouped
-/// GEMMs before the same combine; at model widths and at odd ones.
+/// rows than `moe_experts` streams, so both projections run as grouped
+/// GEMMs before the same combine: at model widths on the tensor cores (bf16,
+/// f16) and through cuBLAS (f32), and with an expert width that is no
+/// multiple of 8 (13), which the tensor-core kernels do not take, through
+/// cuBLAS in bf16.
 #[test]
 fn moe_experts_grouped_gemms_match_cpu() -> Result<()> {
     sweep_seeds(2650, [80], &ALL_DTYPES, |seed, tokens, dtype| {
@@ -1888,6 +1982,120 @@ fn moe_experts_grouped_gemms_match_cpu() -> Result<()> {
     })?;
     moe_experts_case(2660, 200, [7, 3, 40, 13], DType::BF16)?;
     Ok(())
+}
+
+/// The tensor-core grouped GEMMs (64-row tiles, 32-column K stages, 256
+/// output columns or 128 h columns per block) where tiles are partly filled
+/// or empty.
+const GROUPED_TILE_CASES: [MoeCase; 4] = [
+    // 128 routed rows over 128 experts: most experts get 0 to 2 rows; I = 64
+    // fills half of a block's gate columns.
+    MoeCase::routed(16, [EXPERTS, TOP_K, 256, 64]),
+    // K = 40 (H, then I = 24): a full stage and 8 columns of the next; about
+    // 86 rows per expert (a full tile and a partial one); 24 h columns.
+    MoeCase::routed(200, [7, 3, 40, 24]),
+    // One expert takes all 300 rows (4 full tiles and 44 rows), 7 get none.
+    MoeCase {
+        tokens: 300,
+        dims: [8, 1, 256, 128],
+        routing: Routing::AllTo(5),
+        check_every: 1,
+    },
+    // Decode at batch 100 at model widths: about 6 rows per expert.
+    MoeCase::routed(100, [EXPERTS, TOP_K, HIDDEN, MOE_INTERMEDIATE]),
+];
+
+/// [`MoeExpertsAlgorithm::Grouped`] on the tensor cores (bf16, f16) for
+/// [`GROUPED_TILE_CASES`].
+#[test]
+fn moe_experts_tensor_core_tiles_match_cpu() -> Result<()> {
+    sweep(
+        2670,
+        GROUPED_TILE_CASES,
+        &HALF_DTYPES,
+        |rng, case, dtype| moe_case_with(rng, case, dtype, MoeExpertsAlgorithm::Grouped),
+    )
+}
+
+/// A prompt of 512 and one of 4096 tokens at BerryLM-OS shapes (128 experts,
+/// top-8, hidden 2048, expert width 512; about 32 and 256 rows per expert),
+/// through what `moe_experts` picks for them (the tensor-core grouped
+/// GEMMs), checked on every 4th and every 32nd token (128 tokens each: the
+/// CPU reference's time).
+#[test]
+fn moe_experts_matches_cpu_at_berrylm_os_prompts() -> Result<()> {
+    let cases = [512, 4096].map(|tokens| MoeCase {
+        tokens,
+        dims: [EXPERTS, TOP_K, HIDDEN, MOE_INTERMEDIATE],
+        routing: Routing::Random,
+        check_every: tokens / 128,
+    });
+    sweep(2690, cases, &HALF_DTYPES, |rng, case, dtype| {
+        let algorithm = MoeExpertsAlgorithm::for_rows(case.tokens * TOP_K);
+        assert_eq!(algorithm, MoeExpertsAlgorithm::Grouped);
+        moe_case_with(rng, case, dtype, algorithm)
+    })
+}
+
+/// [`MoeExpertsAlgorithm::Streamed`] up to the 4096 routed rows its kernels
+/// take (512 tokens at top-8), in f32 and bf16.
+#[test]
+fn moe_experts_streamed_matches_cpu_up_to_its_limit() -> Result<()> {
+    let case = MoeCase::routed(512, [16, TOP_K, 64, 24]);
+    sweep(2700, [case], &F32_BF16, |rng, case, dtype| {
+        moe_case_with(rng, case, dtype, MoeExpertsAlgorithm::Streamed)
+    })
+}
+
+/// The CUDA paths that cannot check the ids (the streamed kernels, the
+/// tensor-core grouped GEMMs) skip an id at or above E: the result is the
+/// CPU reference's for the same call with that slot's weight 0 and its id an
+/// expert the token did not choose (a zero term added anywhere in the sum
+/// leaves it unchanged).
+#[test]
+fn moe_experts_skip_ids_past_the_experts() -> Result<()> {
+    let case = MoeCase::routed(40, [8, 2, 64, 16]);
+    let algorithms = [MoeExpertsAlgorithm::Streamed, MoeExpertsAlgorithm::Grouped];
+    sweep_seeds(2710, [case], &algorithms, |seed, case, algorithm| {
+        let dtype = DType::BF16;
+        let [x, weights, ids, gate_up, down] = moe_inputs(&mut Rng::new(seed), case, dtype)?;
+        let experts = case.dims[0] as u32;
+        let mut bad_ids: Vec<u32> = ids.flatten_all()?.to_vec1()?;
+        let mut stand_in_ids = bad_ids.clone();
+        let mut stand_in_weights: Vec<f32> = weights.flatten_all()?.to_vec1()?;
+        for token in (0..case.tokens).step_by(3) {
+            let [first, second] = [2 * token, 2 * token + 1];
+            bad_ids[second] = if token % 2 == 0 {
+                experts + token as u32
+            } else {
+                u32::MAX
+            };
+            stand_in_ids[second] = (0..experts)
+                .find(|&e| e != bad_ids[first])
+                .expect("another expert");
+            stand_in_weights[second] = 0.0;
+        }
+        let shape = ids.dims();
+        let stand_in = moe_experts(
+            &x,
+            &Tensor::from_vec(stand_in_weights, shape, &Device::Cpu)?,
+            &Tensor::from_vec(stand_in_ids, shape, &Device::Cpu)?,
+            &gate_up,
+            &down,
+        )?;
+        let copies = to_gpu_all(&[
+            x,
+            weights,
+            Tensor::from_vec(bad_ids, shape, &Device::Cpu)?,
+            gate_up,
+            down,
+        ])?;
+        let [x, weights, ids, gate_up, down] = std::array::from_fn(|i| &copies[i]);
+        let cuda = moe_experts_with(algorithm, x, weights, ids, gate_up, down)?;
+        let what = format!("{} {algorithm:?} with ids past E", case.describe(dtype));
+        within(&what, &cuda, &stand_in, output_tol(dtype))?;
+        Ok(())
+    })
 }
 
 // ------------------------------------------------ causal_conv1d_split_in_pool

@@ -9,7 +9,7 @@ use mistralrs_core::plugin_api::{
 };
 
 use crate::config::{BerryLmConfig, LayerKind};
-use crate::layers::attention::{AttentionKv, GatedAttention};
+use crate::layers::attention::{uses_tiled_attention, AttentionKv, GatedAttention};
 use crate::layers::attn_res::AttnRes;
 use crate::layers::kda::{Kda, KdaState};
 use crate::layers::linear::Linear;
@@ -382,21 +382,40 @@ impl BerryLm {
         dtype: DType,
         paged: Option<&PagedKv<'_>>,
     ) -> Result<Option<Tensor>> {
-        let offsets: &[usize] = batch.seqlen_offsets;
-        let mask = CausalMasker.make_causal_mask_matrix(
-            batch.input_ids,
-            &offsets as &dyn PastKvLenCache,
-            dtype,
-            self.cfg.num_attention_heads,
-        )?;
+        let (_, seq_len) = batch.input_ids.dims2()?;
+        // The tiled attention (CUDA, half precision) is causal by itself; the
+        // matrix, `T x (past + T)` elements built on the CPU, is only read by
+        // the eager attention and by the host's paged prompt attention over a
+        // KV cache of another dtype (FP8). Prefix hits under paged attention
+        // get per-sequence masks from the host.
+        let paged_cache_of_other_dtype = paged.is_some_and(|paged| {
+            paged
+                .blocks
+                .first()
+                .is_some_and(|(key_cache, _)| key_cache.dtype() != dtype)
+        });
+        let mask = if seq_len == 1 {
+            None
+        } else if uses_tiled_attention(&self.device, dtype) && !paged_cache_of_other_dtype {
+            // Under paged attention the mask is what tells a prompt from a
+            // decode step (without one, the host runs its decode kernel): a
+            // one-element placeholder says "prompt".
+            Some(Tensor::zeros((1, 1), dtype, &self.device)?)
+        } else {
+            let offsets: &[usize] = batch.seqlen_offsets;
+            CausalMasker.make_causal_mask_matrix(
+                batch.input_ids,
+                &offsets as &dyn PastKvLenCache,
+                dtype,
+                self.cfg.num_attention_heads,
+            )?
+        };
         let Some(paged) = paged else {
             return Ok(mask);
         };
-        // Under paged attention the mask is what tells a prompt from a decode
-        // step: without one, the host runs its decode kernel. A prompt of one
-        // new token (a prefix hit that left only the last token) still needs
-        // one, or that kernel reads the prompt's metadata as a decode batch's.
-        // The host builds the per-sequence causal masks of prefix hits itself.
+        // A prompt of one new token (a prefix hit that left only the last
+        // token) still needs a mask, or the host's decode kernel reads the
+        // prompt's metadata as a decode batch's.
         if !paged.metadata.is_first_prompt_chunk {
             return Ok(None);
         }

@@ -11,6 +11,7 @@ use berrylm_tests::server::Server;
 use berrylm_tests::Fixture;
 
 const CHAT: &str = "/v1/chat/completions";
+const COMPLETIONS: &str = "/v1/completions";
 
 fn start(fixture: &Fixture) -> Result<Server> {
     Server::start(&fixture.model_dir, &["--dtype", "f32"])
@@ -57,15 +58,20 @@ fn assert_still_serving(
 }
 
 fn hello(extra: serde_json::Value) -> String {
-    let mut body = serde_json::json!({
-        "model": "default",
-        "messages": [{"role": "user", "content": "Hello!"}],
-        "max_tokens": 4,
-    });
+    with_fields(
+        serde_json::json!({
+            "model": "default",
+            "messages": [{"role": "user", "content": "Hello!"}],
+            "max_tokens": 4,
+        }),
+        extra,
+    )
+}
+
+/// `body` with the fields of `extra` added or replaced, as JSON text.
+fn with_fields(mut body: serde_json::Value, extra: serde_json::Value) -> String {
     if let (Some(body), Some(extra)) = (body.as_object_mut(), extra.as_object()) {
-        for (key, value) in extra {
-            body.insert(key.clone(), value.clone());
-        }
+        body.extend(extra.clone());
     }
     body.to_string()
 }
@@ -171,6 +177,46 @@ fn rejected_alone(what: &str, body: &str, names: &str) -> Result<()> {
     let mut server = start(&fixture)?;
     let before = normal_answer(&server, &fixture)?;
     server.assert_rejected(CHAT, body, names, what)?;
+    assert_still_serving(&mut server, &fixture, &before)
+}
+
+/// The plain completions endpoint refuses what the chat endpoint refuses, with
+/// a 4xx (mistral.rs 0.8.1 answered an unknown model and an `n` beyond the
+/// bound with a 500 there, and served a negative temperature).
+#[test]
+fn bad_plain_completions_get_a_4xx_naming_the_problem() -> Result<()> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let mut server = start(&fixture)?;
+    let before = normal_answer(&server, &fixture)?;
+    let completion = |extra| {
+        let body = serde_json::json!({"model": "default", "prompt": "Hello", "max_tokens": 4});
+        with_fields(body, extra)
+    };
+    let cases = [
+        (
+            "temperature -1",
+            serde_json::json!({"temperature": -1}),
+            "temperature",
+        ),
+        (
+            "an unknown model",
+            serde_json::json!({"model": "no-such-model"}),
+            "no-such-model",
+        ),
+        (
+            "more choices than the bound",
+            serde_json::json!({"n": 100000}),
+            "100000",
+        ),
+        (
+            "more alternatives per token than 20",
+            serde_json::json!({"logprobs": 100}),
+            "top_logprobs",
+        ),
+    ];
+    for (what, extra, names) in cases {
+        server.assert_rejected(COMPLETIONS, &completion(extra), names, what)?;
+    }
     assert_still_serving(&mut server, &fixture, &before)
 }
 

@@ -1,8 +1,9 @@
 //! A two-minute soak of the real server (CPU, the bundled model) with the
 //! project's load tool (`tools/load_test.py soak`): 32 streaming clients,
 //! prompts of mixed lengths up to the model's context, tool, reasoning and
-//! continued chats, and a tenth of the requests hung up mid-stream. No
-//! request fails besides the hang-ups; once the clients are done the server
+//! continued chats, a tenth of the requests hung up mid-stream and a
+//! twentieth invalid (each must be refused with a 4xx). No request fails
+//! besides the hang-ups and those refusals; once the clients are done the server
 //! runs nothing and every recurrent-state slot (and KV block, where it pages)
 //! is free again (from `/metrics`); and resident memory at the end is at most
 //! 10% above its value after the first minute. (The end is idle and the first
@@ -28,6 +29,9 @@ use berrylm_tests::{fixtures_dir, number};
 const CLIENTS: &str = "32";
 const MINUTES: &str = "2";
 const HANGUP_FRACTION: &str = "0.1";
+/// Requests made invalid in one of the tool's ways (a negative temperature,
+/// an unknown model, `n` or `top_logprobs` beyond their bounds, ...).
+const INVALID_FRACTION: &str = "0.05";
 /// The tool's prompt lengths are words of its English list, about 1.42
 /// tokens each on the bundled tokenizer: the longest prompts (about 3700
 /// tokens, and a little more with the chat template, tool definitions or an
@@ -71,6 +75,7 @@ fn a_two_minute_soak_fails_no_request_frees_every_slot_and_keeps_memory_flat() -
         ])
         .args(["--clients", CLIENTS, "--minutes", MINUTES])
         .args(["--hangup-fraction", HANGUP_FRACTION])
+        .args(["--invalid-fraction", INVALID_FRACTION])
         .args(["--max-prompt-tokens", MAX_PROMPT_WORDS])
         .args(["--output-tokens", OUTPUT_TOKENS])
         .args(["--metrics-interval", "5", "--timeout-s", "240"])
@@ -97,9 +102,11 @@ fn a_two_minute_soak_fails_no_request_frees_every_slot_and_keeps_memory_flat() -
     );
     let completed = figures["completed"].as_u64().unwrap_or_default();
     let hung_up = figures["hung_up"].as_u64().unwrap_or_default();
+    let refused = figures["refused"].as_u64().unwrap_or_default();
     ensure!(
-        completed >= 100 && hung_up > 0,
-        "{completed} requests completed and {hung_up} hung up in the soak"
+        completed >= 100 && hung_up > 0 && refused > 0,
+        "{completed} requests completed, {hung_up} hung up and {refused} invalid ones were \
+         refused in the soak"
     );
 
     let occupancy = &figures["occupancy"];

@@ -188,22 +188,26 @@ __global__ void __launch_bounds__(kThreads)
     }
 }
 
-// y[n, i]: the token's terms round_x(w * out_e) added in increasing expert id,
-// each addition rounded. Ids at or above `experts` contribute nothing. The
-// routed row r = n * top_k + s of `expert_out` is row `rows[r]` when `rows`
-// is given (outputs grouped by expert), else row r.
-template <typename T>
+// y[n, i .. i + VEC): the token's terms round_x(w * out_e) added in
+// increasing expert id, each addition rounded; one thread per VEC
+// consecutive columns of a token (16-byte loads and stores when VEC > 1),
+// which orders the token's experts once for all of them. Ids at or above
+// `experts` contribute nothing. The routed row r = n * top_k + s of
+// `expert_out` is row `rows[r]` when `rows` is given (outputs grouped by
+// expert), else row r.
+template <typename T, int VEC>
 __global__ void combine_kernel(const T* __restrict__ expert_out, const float* __restrict__ weights,
                                const uint32_t* __restrict__ ids, const uint32_t* __restrict__ rows,
                                T* __restrict__ y, long long total, int top_k, int experts,
                                int hidden) {
+    const int groups = hidden / VEC;
     const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
     for (long long index = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
          index < total; index += stride) {
-        const long long token = index / hidden;
-        const int i = static_cast<int>(index % hidden);
+        const long long token = index / groups;
+        const int i = static_cast<int>(index % groups) * VEC;
         const uint32_t* token_ids = ids + token * top_k;
-        float acc = 0.0f;
+        float acc[VEC] = {};
         long long previous = -1;
         for (int step = 0; step < top_k; ++step) {
             int slot = -1;
@@ -215,16 +219,49 @@ __global__ void combine_kernel(const T* __restrict__ expert_out, const float* __
             previous = token_ids[slot];
             const long long routed_row = token * top_k + slot;
             const long long out_row = rows != nullptr ? rows[routed_row] : routed_row;
-            const float term = berrylm::round_to<T>(__fmul_rn(
-                weights[routed_row], berrylm::to_f32(expert_out[out_row * hidden + i])));
-            acc = berrylm::round_to<T>(__fadd_rn(acc, term));
+            const float weight = weights[routed_row];
+            float out[VEC];
+            load_vec<T, VEC>(expert_out + out_row * hidden + i, out);
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) {
+                const float term = berrylm::round_to<T>(__fmul_rn(weight, out[v]));
+                acc[v] = berrylm::round_to<T>(__fadd_rn(acc[v], term));
+            }
         }
-        y[index] = berrylm::from_f32<T>(acc);
+        T values[VEC];
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) values[v] = berrylm::from_f32<T>(acc[v]);
+        T* destination = y + token * hidden + i;
+        if constexpr (VEC == 1) {
+            *destination = values[0];
+        } else {
+            *reinterpret_cast<uint4*>(destination) = *reinterpret_cast<const uint4*>(values);
+        }
     }
 }
 
 inline bool aligned16(const void* p) {
     return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
+
+// The combine over `tokens` tokens, 16 bytes of a token's columns per thread
+// when the width and the pointers allow.
+template <typename T>
+int launch_combine(const T* expert_out, const float* weights, const uint32_t* ids,
+                   const uint32_t* rows, T* y, int tokens, int top_k, int experts, int hidden,
+                   cudaStream_t stream) {
+    constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+    const long long total = static_cast<long long>(tokens) * hidden;
+    if (hidden % kVec == 0 && aligned16(expert_out) && aligned16(y)) {
+        const unsigned int blocks = berrylm::elementwise_blocks(total / kVec, kThreads);
+        combine_kernel<T, kVec><<<blocks, kThreads, 0, stream>>>(
+            expert_out, weights, ids, rows, y, total / kVec, top_k, experts, hidden);
+    } else {
+        const unsigned int blocks = berrylm::elementwise_blocks(total, kThreads);
+        combine_kernel<T, 1><<<blocks, kThreads, 0, stream>>>(expert_out, weights, ids, rows, y,
+                                                             total, top_k, experts, hidden);
+    }
+    return berrylm::launch_status();
 }
 
 template <typename T, int VEC>
@@ -261,24 +298,8 @@ int launch(const void* x, const float* weights, const uint32_t* ids, const void*
         launch_projections<T, 1>(xp, ids, gp, dp, hp, ep, routed, top_k, experts, hidden, inter,
                                  stream);
     }
-    const long long total = static_cast<long long>(tokens) * hidden;
-    const unsigned int blocks = berrylm::elementwise_blocks(total, kThreads);
-    combine_kernel<T><<<blocks, kThreads, 0, stream>>>(ep, weights, ids, nullptr,
-                                                      static_cast<T*>(y), total, top_k, experts,
-                                                      hidden);
-    return berrylm::launch_status();
-}
-
-template <typename T>
-int launch_combine(const void* expert_out, const float* weights, const uint32_t* ids,
-                   const uint32_t* rows, void* y, int tokens, int top_k, int experts, int hidden,
-                   cudaStream_t stream) {
-    const long long total = static_cast<long long>(tokens) * hidden;
-    const unsigned int blocks = berrylm::elementwise_blocks(total, kThreads);
-    combine_kernel<T><<<blocks, kThreads, 0, stream>>>(static_cast<const T*>(expert_out), weights,
-                                                      ids, rows, static_cast<T*>(y), total,
-                                                      top_k, experts, hidden);
-    return berrylm::launch_status();
+    return launch_combine<T>(ep, weights, ids, nullptr, static_cast<T*>(y), tokens, top_k,
+                             experts, hidden, stream);
 }
 
 }  // namespace berrylm::moe
@@ -314,8 +335,8 @@ extern "C" int berrylm_moe_combine(int dtype, const void* expert_out, const floa
     if (top_k <= 0 || experts <= 0) return static_cast<int>(cudaErrorInvalidValue);
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     BERRYLM_DISPATCH_DTYPE(dtype, T, {
-        return launch_combine<T>(expert_out, weights, ids, rows, y, tokens, top_k, experts, hidden,
-                                 s);
+        return launch_combine<T>(static_cast<const T*>(expert_out), weights, ids, rows,
+                                 static_cast<T*>(y), tokens, top_k, experts, hidden, s);
     });
     return 0;
 }

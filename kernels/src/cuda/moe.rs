@@ -1,6 +1,8 @@
 //! Binding of `moe.cu` and the grouped GEMMs: the routed experts of a decode
-//! step in `moe.cu`'s kernels, those of a prompt as two cuBLAS grouped GEMMs
-//! on the tensor cores between a gather and `moe.cu`'s combine.
+//! step in `moe.cu`'s kernels; those of more rows in bf16/f16 as
+//! `moe_grouped.cu`'s tensor-core grouped GEMMs (grouping on the device, no
+//! read-back), in f32 as two cuBLAS grouped GEMMs; both before `moe.cu`'s
+//! combine.
 
 use std::ffi::{c_int, c_void};
 
@@ -9,19 +11,15 @@ use candle_core::cuda_backend::cudarc::driver::DevicePtr;
 use candle_core::{DType, Tensor};
 
 use super::{c_size, dtype_code, Launch};
-use crate::moe::MoeExpertsArgs;
+use crate::moe::{MoeExpertsAlgorithm, MoeExpertsArgs};
 use crate::{invalid_argument, KernelError, Result};
 
 const OP: &str = "moe_experts";
 
-/// Up to this many routed rows (tokens x top-k: a decode step of 32
-/// sequences at top-8) run in `moe.cu`'s kernels, which stream each chosen
-/// expert's weights once per group of 8 of its rows; more rows run as grouped
-/// GEMMs, which a decode step of 64 sequences already runs faster (8-layer
-/// forward 5.7-6.4 against 7.5-7.7 ms/step; docs/performance.md). It must not
-/// exceed `kMaxRouted` in moe.cu (a block keeps the list of the rows sent to
-/// its expert in shared memory).
-const MOE_KERNEL_MAX_ROUTED_ROWS: usize = 256;
+/// The most routed rows `moe.cu`'s kernels take (`kMaxRouted` in moe.cu: a
+/// block keeps the list of the rows sent to its expert in shared memory);
+/// [`MoeExpertsAlgorithm::Streamed`] calls with more run the grouped GEMMs.
+const STREAMED_MAX_ROUTED_ROWS: usize = 4096;
 
 extern "C" {
     fn berrylm_moe_experts(
@@ -55,6 +53,45 @@ extern "C" {
         hidden: c_int,
         stream: *mut c_void,
     ) -> c_int;
+
+    fn berrylm_moe_grouped_scratch(
+        routed: c_int,
+        experts: c_int,
+        chunk_counts: *mut i64,
+        tiles: *mut i64,
+    );
+
+    fn berrylm_moe_grouped_max_experts() -> c_int;
+
+    fn berrylm_moe_grouped_experts(
+        dtype: c_int,
+        x: *const c_void,
+        ids: *const u32,
+        gate_up: *const c_void,
+        down: *const c_void,
+        chunk_counts: *mut u32,
+        offsets: *mut u32,
+        tiles: *mut u32,
+        tile_count: *mut u32,
+        positions: *mut u32,
+        tokens_of: *mut u32,
+        h: *mut c_void,
+        expert_out: *mut c_void,
+        sizes: MoeSizes,
+        stream: *mut c_void,
+    ) -> c_int;
+}
+
+/// The sizes of a `berrylm_moe_grouped_experts` call (`MoeSizes` in
+/// moe_grouped.cu).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MoeSizes {
+    tokens: c_int,
+    top_k: c_int,
+    experts: c_int,
+    hidden: c_int,
+    inter: c_int,
 }
 
 impl MoeExpertsArgs<'_> {
@@ -70,12 +107,26 @@ impl MoeExpertsArgs<'_> {
     }
 }
 
-/// CUDA `moe_experts`; arguments already validated by the caller.
-pub(crate) fn moe_experts(args: &MoeExpertsArgs<'_>) -> Result<Tensor> {
+/// CUDA `moe_experts` with `algorithm`; arguments already validated by the
+/// caller.
+pub(crate) fn moe_experts(
+    args: &MoeExpertsArgs<'_>,
+    algorithm: MoeExpertsAlgorithm,
+) -> Result<Tensor> {
     let routed = args.tokens * args.top_k;
-    if routed > MOE_KERNEL_MAX_ROUTED_ROWS {
-        return moe_experts_grouped(args);
+    if algorithm == MoeExpertsAlgorithm::Streamed && routed <= STREAMED_MAX_ROUTED_ROWS {
+        moe_experts_streamed(args)
+    } else if takes_tensor_cores(args) {
+        moe_experts_tensor_cores(args)
+    } else {
+        moe_experts_cublas(args)
     }
+}
+
+/// `moe.cu`'s three launches: each chosen expert's weights streamed once per
+/// group of up to 8 of its routed rows, then the combine.
+fn moe_experts_streamed(args: &MoeExpertsArgs<'_>) -> Result<Tensor> {
+    let routed = args.tokens * args.top_k;
     let mut launch = Launch::new(OP, args.x)?;
     let x = launch.input("x", args.x)?;
     let weights = launch.input_as("weights", args.weights, DType::F32)?;
@@ -149,13 +200,85 @@ impl ExpertGroups {
     }
 }
 
-/// `moe_experts` for many routed rows: the rows of `x` gathered by expert,
+/// Whether `moe_grouped.cu` takes the call: bf16 or f16, `hidden` and
+/// `inter` multiples of 8 and `x`, `gate_up` and `down` starting on a
+/// 16-byte boundary (it copies rows in 16-byte pieces; candle's allocations
+/// are aligned, so a contiguous view must start at a multiple of 8
+/// elements; other views are copied first), and at most
+/// `berrylm_moe_grouped_max_experts()` experts.
+fn takes_tensor_cores(args: &MoeExpertsArgs<'_>) -> bool {
+    let starts_aligned = |tensor: &Tensor| {
+        !tensor.is_contiguous() || tensor.layout().start_offset().is_multiple_of(8)
+    };
+    // SAFETY: a constant query without arguments.
+    let max_experts = unsafe { berrylm_moe_grouped_max_experts() };
+    matches!(args.x.dtype(), DType::BF16 | DType::F16)
+        && args.hidden.is_multiple_of(8)
+        && args.inter.is_multiple_of(8)
+        && [args.x, args.gate_up, args.down]
+            .into_iter()
+            .all(starts_aligned)
+        && usize::try_from(max_experts).is_ok_and(|max| args.experts <= max)
+}
+
+/// `moe_experts` for many routed rows in bf16/f16 (`moe_grouped.cu`): the
+/// rows grouped by expert on the device, `gate | up` with the SwiGLU fused
+/// into its epilogue and the down projection as grouped GEMMs on the tensor
+/// cores (f32 accumulation, the reference's roundings), then `moe.cu`'s
+/// combine with each routed row's grouped position. Nothing is read back to
+/// the host; ids at or above E are skipped, as the decode kernels do.
+fn moe_experts_tensor_cores(args: &MoeExpertsArgs<'_>) -> Result<Tensor> {
+    let routed = args.tokens * args.top_k;
+    let [tokens, top_k, experts, hidden, inter] = args.c_sizes()?;
+    let sizes = MoeSizes {
+        tokens,
+        top_k,
+        experts,
+        hidden,
+        inter,
+    };
+    let routed_c = c_size(OP, "ids", routed)?;
+    let (mut chunk_len, mut tiles_len) = (0i64, 0i64);
+    // SAFETY: writes the two lengths through valid pointers.
+    unsafe { berrylm_moe_grouped_scratch(routed_c, experts, &mut chunk_len, &mut tiles_len) };
+    let scratch_len = |len: i64| {
+        usize::try_from(len).map_err(|_| invalid_argument(OP, "ids", format!("scratch of {len}")))
+    };
+    let mut launch = Launch::new(OP, args.x)?;
+    let x = launch.input("x", args.x)?;
+    let ids = launch.input("ids", args.ids)?;
+    let gate_up = launch.input("gate_up", args.gate_up)?;
+    let down = launch.input("down", args.down)?;
+    let dtype = launch.dtype(x);
+    let chunk_counts = launch.output(scratch_len(chunk_len)?, DType::U32)?;
+    let offsets = launch.output(args.experts, DType::U32)?;
+    let tiles = launch.output(scratch_len(tiles_len)?, DType::U32)?;
+    let tile_count = launch.output(1, DType::U32)?;
+    let positions = launch.output(routed, DType::U32)?;
+    let tokens_of = launch.output(routed, DType::U32)?;
+    let h = launch.output(&[routed, args.inter], dtype)?;
+    let expert_out = launch.output(&[routed, args.hidden], dtype)?;
+    let outputs = run_kernel!(launch => berrylm_moe_grouped_experts(
+        dtype(dtype), input(x), input(ids), input(gate_up), input(down),
+        output(chunk_counts), output(offsets), output(tiles), output(tile_count),
+        output(positions), output(tokens_of), output(h), output(expert_out), sizes
+    ))?;
+    combine(
+        &outputs.tensor(expert_out),
+        &outputs.tensor(positions),
+        args,
+    )
+}
+
+/// `moe_experts` for many routed rows in f32 (the exactness path) and for
+/// what `moe_grouped.cu` does not take: the ids read back once (a device
+/// synchronisation), the rows of `x` gathered by expert,
 /// `gate | up` and the down projection as one grouped GEMM each (cuBLAS,
 /// f32 accumulation, each output rounded once to the dtype of `x`, as a
 /// `Linear` of the reference), SwiGLU in between with the reference's
 /// rounding, and `moe.cu`'s combine (the weighted terms added in increasing
 /// expert id).
-fn moe_experts_grouped(args: &MoeExpertsArgs<'_>) -> Result<Tensor> {
+fn moe_experts_cublas(args: &MoeExpertsArgs<'_>) -> Result<Tensor> {
     let host_ids: Vec<u32> = args.ids.flatten_all()?.to_vec1()?;
     let grouped = ExpertGroups::new(&host_ids, args.top_k, args.experts)?;
     let device = args.x.device();

@@ -10,7 +10,7 @@
 //! cached prefix; prefix hits take the host's path, which gathers the cached
 //! blocks). The CPU and f32 keep the reference's eager attention.
 
-use candle_core::{DType, Module, Result, Tensor};
+use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::ops::softmax_last_dim;
 use mistralrs_core::plugin_api::{
     FlashParams, KvCache, PagedAttention, PagedAttentionInputMetadata, SdpaParams,
@@ -135,7 +135,7 @@ impl GatedAttention {
         let q = q.transpose(1, 2)?.contiguous()?;
         let k = k_tokens.transpose(1, 2)?.contiguous()?;
         let v = v_tokens.transpose(1, 2)?.contiguous()?;
-        let tiled = uses_tiled_attention(&q);
+        let tiled = uses_tiled_attention(q.device(), q.dtype());
         let attended = match (kv, &self.paged) {
             (
                 AttentionKv::Paged {
@@ -264,8 +264,8 @@ impl GatedAttention {
 
 /// Whether attention runs tiled (`berrylm_kernels::causal_attention`): on
 /// CUDA in half precision. The CPU, the oracle, and f32 keep the eager path.
-fn uses_tiled_attention(q: &Tensor) -> bool {
-    q.device().is_cuda() && matches!(q.dtype(), DType::BF16 | DType::F16)
+pub fn uses_tiled_attention(device: &Device, dtype: DType) -> bool {
+    device.is_cuda() && matches!(dtype, DType::BF16 | DType::F16)
 }
 
 /// Whether a paged step is a prompt (it has a mask) without a cached prefix,

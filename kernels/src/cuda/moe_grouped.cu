@@ -1,0 +1,538 @@
+// The routed experts of many routed rows (prompts, large decode batches) as
+// grouped GEMMs on the tensor cores, bf16 and f16, with the reference's
+// rounding points (moe.cu's file comment): for each routed row r = n * top_k
+// + s with expert e = ids[r] < E,
+//   gate | up = round_x(W_gu[e] x_n)            (f32 accumulation)
+//   h[r]      = round_x(round_x(silu(gate)) * up)
+//   out[r]    = round_x(W_d[e] h[r])
+// with the rows grouped by expert. moe.cu's combine then adds each token's
+// weighted terms in increasing expert id. Nothing is read back to the host:
+// the grouping is computed on the device and the GEMMs' grids are sized from
+// a bound known on the host.
+//
+// Grouping (three kernels, deterministic):
+// * `chunk_kernel<false>`: one warp per chunk of kChunkRows consecutive
+//   routed rows counts the chunk's rows per expert (`__match_any_sync` over
+//   32 rows at a time), into chunk_counts[chunk][e];
+// * `scan_kernel` (one block, a thread per expert): replaces each count by
+//   the rows of that expert in the earlier chunks, sums each expert's rows,
+//   scans over the experts (the expert's first grouped row, `offsets`) and
+//   writes the tile table: (expert, first grouped row, rows) of every tile of
+//   up to kBlockM rows of one expert, in increasing expert id, and its length;
+// * `chunk_kernel<true>`: the same walk gives each routed row its grouped
+//   position offsets[e] + (rows of e in earlier chunks) + (rows of e earlier
+//   in its chunk), so an expert's rows are in increasing r, i.e. in token
+//   order; it writes `positions[r]` and `tokens_of[position]` = n.
+// Ids at or above E are skipped: such a row gets no grouped row (its
+// position is kNotRouted, which the combine never reads since it skips the
+// same ids) and nothing is written for it.
+//
+// GEMM (`gemm_kernel`, one launch per projection): a block of 8 warps
+// computes a tile of up to kBlockM (128) grouped rows of one expert by
+// kBlockN (256) output columns, looked up in the tile table (blocks past its
+// length exit; the grid is sized for ceil(R / kBlockM) + E tiles, a bound on
+// their number). A rows are rows of x read through `tokens_of` (gate | up) or
+// rows of h (down); B is the expert's weight rows ([N, K], K contiguous: the
+// "col" operand of mma.row.col). kBlockK = 64 columns of K per stage (128
+// contiguous bytes of each weight row), kStages stages in shared memory
+// (rows padded by 16 bytes: the 8 rows an ldmatrix reads fall in 8
+// different bank groups) filled with cp.async (zero bytes past the tile's
+// rows, the weight's rows and K), one block per SM. The warps form 2 x 4: each
+// owns 64 rows and 64 columns (4 m16 x 8 n8 mma.sync tiles, f32
+// accumulators), and skips the m16 tiles past the tile's rows, so a partial
+// tile (an expert's last, or every tile of a decode step) costs its weight
+// reads and little more. For gate | up the block's columns are 128 gate
+// columns j0 .. j0 + 127 and the matching up columns I + j0 ..; each warp
+// holds 32 of each, so that the epilogue finds gate and up of an h element in
+// the same thread: h = round(round(silu(round(gate))) * round(up)). The down
+// projection's tile is kBlockN consecutive output columns, each rounded once.
+#include "mma.cuh"
+
+namespace berrylm::moe_grouped {
+
+using namespace berrylm::mma;
+
+constexpr uint32_t kNotRouted = 0xffffffffu;
+
+// ------------------------------------------------------------------ grouping
+
+constexpr int kChunkSteps = 32;                // 32-row steps of one warp
+constexpr int kChunkRows = 32 * kChunkSteps;   // routed rows per chunk
+constexpr int kChunkWarps = 4;                 // chunks per block
+constexpr int kScanThreads = 1024;             // one per expert
+constexpr int kMaxExperts = kScanThreads;
+
+// Walks the routed rows of this warp's chunk in order. `seen[e]` starts as
+// the grouped rows of expert e before the chunk (kScatter) or 0 (counting)
+// and ends as that plus the chunk's rows of e. With kScatter each row's
+// grouped position and the token of that position are written.
+template <bool kScatter>
+__global__ void __launch_bounds__(kChunkWarps * 32)
+    chunk_kernel(const uint32_t* __restrict__ ids, int routed, int top_k, int experts,
+                 int chunks, uint32_t* __restrict__ chunk_counts,
+                 const uint32_t* __restrict__ offsets, uint32_t* __restrict__ positions,
+                 uint32_t* __restrict__ tokens_of) {
+    extern __shared__ uint32_t seen_all[];  // [kChunkWarps][experts]
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int chunk = blockIdx.x * kChunkWarps + warp;
+    if (chunk >= chunks) return;  // the whole warp; no block-wide barrier follows
+    uint32_t* seen = seen_all + warp * experts;
+    uint32_t* counts = chunk_counts + static_cast<long long>(chunk) * experts;
+    for (int e = lane; e < experts; e += 32) seen[e] = kScatter ? counts[e] + offsets[e] : 0u;
+    const long long first = static_cast<long long>(chunk) * kChunkRows;
+    uint32_t chunk_ids[kChunkSteps];
+#pragma unroll
+    for (int step = 0; step < kChunkSteps; ++step) {
+        const long long r = first + step * 32 + lane;
+        chunk_ids[step] = r < routed ? ids[r] : kNotRouted;
+    }
+    __syncwarp();
+    const unsigned earlier_lanes = (1u << lane) - 1u;
+#pragma unroll
+    for (int step = 0; step < kChunkSteps; ++step) {
+        const uint32_t id = chunk_ids[step];
+        const bool valid = id < static_cast<uint32_t>(experts);
+        const unsigned peers = __match_any_sync(0xffffffffu, valid ? id : kNotRouted);
+        const uint32_t rank = __popc(peers & earlier_lanes);
+        const uint32_t base = valid ? seen[id] : 0u;
+        __syncwarp();
+        if (valid && rank == 0) seen[id] = base + __popc(peers);
+        __syncwarp();
+        if constexpr (kScatter) {
+            const long long r = first + step * 32 + lane;
+            if (r < routed) positions[r] = valid ? base + rank : kNotRouted;
+            if (valid) tokens_of[base + rank] = static_cast<uint32_t>(r / top_k);
+        }
+    }
+    if constexpr (!kScatter) {
+        for (int e = lane; e < experts; e += 32) counts[e] = seen[e];
+    }
+}
+
+// Exclusive prefix sum of `value` over the threads of the block (in thread
+// order); `total` receives the sum of all. All threads call it.
+__device__ uint32_t block_exclusive_scan(uint32_t value, uint32_t& total) {
+    __shared__ uint32_t warp_sums[kScanThreads / 32];
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    uint32_t inclusive = value;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+        const uint32_t other = __shfl_up_sync(0xffffffffu, inclusive, offset);
+        if (lane >= offset) inclusive += other;
+    }
+    if (lane == 31) warp_sums[warp] = inclusive;
+    __syncthreads();
+    uint32_t before = 0;
+    total = 0;
+    for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) {
+        if (w < warp) before += warp_sums[w];
+        total += warp_sums[w];
+    }
+    __syncthreads();  // warp_sums is reused by the next call
+    return before + inclusive - value;
+}
+
+// Thread e: the chunk counts of expert e turned into its rows before each
+// chunk, the expert's first grouped row and its tiles of up to `tile_rows`.
+__global__ void __launch_bounds__(kScanThreads)
+    scan_kernel(uint32_t* __restrict__ chunk_counts, int chunks, int experts, int tile_rows,
+                uint32_t* __restrict__ offsets, uint4* __restrict__ tiles,
+                uint32_t* __restrict__ tile_count) {
+    const int e = threadIdx.x;
+    uint32_t rows = 0;
+    if (e < experts) {
+        uint32_t* counts = chunk_counts + e;
+        int c = 0;
+        for (; c + 4 <= chunks; c += 4) {
+            uint32_t four[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) four[i] = counts[static_cast<long long>(c + i) * experts];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                counts[static_cast<long long>(c + i) * experts] = rows;
+                rows += four[i];
+            }
+        }
+        for (; c < chunks; ++c) {
+            const uint32_t count = counts[static_cast<long long>(c) * experts];
+            counts[static_cast<long long>(c) * experts] = rows;
+            rows += count;
+        }
+    }
+    const uint32_t expert_tiles = (rows + tile_rows - 1) / tile_rows;
+    uint32_t all_rows;
+    uint32_t all_tiles;
+    const uint32_t first_row = block_exclusive_scan(rows, all_rows);
+    const uint32_t first_tile = block_exclusive_scan(expert_tiles, all_tiles);
+    if (e < experts) {
+        offsets[e] = first_row;
+        for (uint32_t t = 0; t < expert_tiles; ++t) {
+            const uint32_t start = t * tile_rows;
+            tiles[first_tile + t] =
+                make_uint4(static_cast<uint32_t>(e), first_row + start,
+                           min(static_cast<uint32_t>(tile_rows), rows - start), 0u);
+        }
+    }
+    if (e == 0) *tile_count = all_tiles;
+}
+
+// ---------------------------------------------------------------------- GEMM
+
+constexpr int kBlockM = 128;  // grouped rows per tile
+constexpr int kBlockN = 256;  // output columns per block (gate | up: 128 h columns)
+constexpr int kBlockK = 64;   // K per stage
+constexpr int kStages = 4;
+constexpr int kWarpsM = 2;
+constexpr int kWarpsN = 4;
+constexpr int kThreads = kWarpsM * kWarpsN * 32;
+constexpr int kPad = 8;       // elements of padding per shared-memory row
+constexpr int kStride = kBlockK + kPad;
+constexpr int kWarpM = kBlockM / kWarpsM;
+constexpr int kWarpN = kBlockN / kWarpsN;
+constexpr int kTilesM = kWarpM / 16;  // m16 tiles per warp
+constexpr int kTilesN = kWarpN / 8;   // n8 tiles per warp
+constexpr int kChunksPerRow = kBlockK / 8;  // 16-byte chunks per row and stage
+constexpr int kLoadsA = kBlockM * kChunksPerRow / kThreads;
+constexpr int kLoadsB = kBlockN * kChunksPerRow / kThreads;
+static_assert(kLoadsA * kThreads == kBlockM * kChunksPerRow, "A chunks per thread");
+static_assert(kLoadsB * kThreads == kBlockN * kChunksPerRow, "B chunks per thread");
+static_assert(kTilesN % 4 == 0, "pairs of n8 tiles in each half of a warp's columns");
+
+template <typename T> constexpr int smem_bytes() {
+    return kStages * (kBlockM + kBlockN) * kStride * static_cast<int>(sizeof(T));
+}
+
+struct GemmParams {
+    const void* a;              // x [tokens, k] (through a_rows) or h [R, k]
+    const uint32_t* a_rows;     // grouped row -> row of a; nullptr: the grouped row
+    const void* w;              // [E, weight_rows, k]
+    void* out;                  // [R, n_out]
+    const uint4* tiles;
+    const uint32_t* tile_count;
+    int k;
+    int n_out;                  // h columns (I) or output columns (H)
+    int n_blocks;               // blocks per tile along the columns
+};
+
+// The shared-memory row of B (0 .. kBlockN) whose n8 tile `nb` of the warp
+// in column `warp_n` starts there: the first kTilesN / 2 tiles in the first
+// half of the block's rows (gate rows, for gate | up), the others at the
+// same place of the second half (up rows).
+__device__ __forceinline__ int b_row(int warp_n, int nb) {
+    constexpr int kHalf = kTilesN / 2;
+    return (nb / kHalf) * (kBlockN / 2) + warp_n * (kWarpN / 2) + (nb % kHalf) * 8;
+}
+
+template <typename T, bool kGated>
+__global__ void __launch_bounds__(kThreads, 1) gemm_kernel(const GemmParams p) {
+    const int tile_index = blockIdx.x / p.n_blocks;
+    const int n_block = blockIdx.x % p.n_blocks;
+    if (tile_index >= static_cast<int>(*p.tile_count)) return;
+    const uint4 tile = p.tiles[tile_index];
+    const int expert = static_cast<int>(tile.x);
+    const int first = static_cast<int>(tile.y);
+    const int rows = static_cast<int>(tile.z);
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    T* s_a = reinterpret_cast<T*>(smem);
+    T* s_b = s_a + kStages * kBlockM * kStride;
+    const int warp = threadIdx.x / 32;
+    const int warp_m = warp / kWarpsN;
+    const int warp_n = warp % kWarpsN;
+    const int lane = threadIdx.x % 32;
+    const int group = lane / 4;
+    const int quad = lane % 4;
+    const int k = p.k;
+    // The m16 tiles of this warp that hold rows of the tile: a partial tile
+    // skips the products of the rows it does not have.
+    const int warp_row = warp_m * kWarpM;
+    const int m_tiles = max(0, min(kTilesM, (rows - warp_row + 15) / 16));
+
+    // This thread's 16-byte chunks of a stage: rows threadIdx.x / kChunksPerRow
+    // + i * (kThreads / kChunksPerRow), column chunk threadIdx.x % kChunksPerRow.
+    constexpr int kRowStep = kThreads / kChunksPerRow;
+    const int load_row = threadIdx.x / kChunksPerRow;
+    const int load_col = (threadIdx.x % kChunksPerRow) * 8;
+    const T* a = static_cast<const T*>(p.a);
+    const T* a_src[kLoadsA];
+#pragma unroll
+    for (int i = 0; i < kLoadsA; ++i) {
+        const int row = load_row + i * kRowStep;
+        if (row < rows) {
+            const long long grouped = first + row;
+            const long long source = p.a_rows != nullptr ? p.a_rows[grouped] : grouped;
+            a_src[i] = a + source * k + load_col;
+        } else {
+            a_src[i] = nullptr;
+        }
+    }
+    // The expert's weight rows of this block: output columns n0 .. for the
+    // down projection; gate rows j0 .. then up rows I + j0 .. for gate | up.
+    const int weight_rows = kGated ? 2 * p.n_out : p.n_out;
+    const T* w = static_cast<const T*>(p.w) + static_cast<long long>(expert) * weight_rows * k;
+    const T* b_src[kLoadsB];
+#pragma unroll
+    for (int i = 0; i < kLoadsB; ++i) {
+        const int row = load_row + i * kRowStep;
+        int column;
+        int weight_row;
+        if constexpr (kGated) {
+            const int half = row / (kBlockN / 2);
+            column = n_block * (kBlockN / 2) + row % (kBlockN / 2);
+            weight_row = half * p.n_out + column;
+        } else {
+            column = n_block * kBlockN + row;
+            weight_row = column;
+        }
+        b_src[i] = column < p.n_out ? w + static_cast<long long>(weight_row) * k + load_col
+                                    : nullptr;
+    }
+
+    const int k_tiles = (k + kBlockK - 1) / kBlockK;
+    auto load_stage = [&](int stage, int k_tile) {
+        const int k0 = k_tile * kBlockK;
+        const bool k_valid = k0 + load_col < k;
+        T* dst_a = s_a + stage * kBlockM * kStride;
+        T* dst_b = s_b + stage * kBlockN * kStride;
+#pragma unroll
+        for (int i = 0; i < kLoadsA; ++i) {
+            const bool valid = k_valid && a_src[i] != nullptr;
+            cp_async_16(dst_a + (load_row + i * kRowStep) * kStride + load_col,
+                        valid ? a_src[i] + k0 : a, valid ? 16 : 0);
+        }
+#pragma unroll
+        for (int i = 0; i < kLoadsB; ++i) {
+            const bool valid = k_valid && b_src[i] != nullptr;
+            cp_async_16(dst_b + (load_row + i * kRowStep) * kStride + load_col,
+                        valid ? b_src[i] + k0 : w, valid ? 16 : 0);
+        }
+    };
+
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+        if (s < k_tiles) load_stage(s, s);
+        cp_async_commit();
+    }
+
+    float acc[kTilesM][kTilesN][4] = {};
+    for (int kt = 0; kt < k_tiles; ++kt) {
+        cp_async_wait<kStages - 2>();  // stage kt has landed (this thread's copies)
+        __syncthreads();               // everyone's; and stage kt - 1 is free
+        const int next = kt + kStages - 1;
+        if (next < k_tiles) load_stage(next % kStages, next);
+        cp_async_commit();
+        if (m_tiles == 0) continue;
+
+        const T* tile_a = s_a + ((kt % kStages) * kBlockM + warp_row) * kStride;
+        const T* tile_b = s_b + (kt % kStages) * kBlockN * kStride;
+        // The A fragments of step kk + 1 load while the products of step kk
+        // run (the asm statements keep their order).
+        unsigned frag_a[2][kTilesM][4];
+        auto load_a = [&](unsigned (&frag)[kTilesM][4], int kk) {
+#pragma unroll
+            for (int mi = 0; mi < kTilesM; ++mi) {
+                if (mi < m_tiles) {
+                    ldmatrix_x4(frag[mi], tile_a + (mi * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) *
+                                                       kStride +
+                                              kk * 16 + (lane >> 4) * 8);
+                }
+            }
+        };
+        load_a(frag_a[0], 0);
+#pragma unroll
+        for (int kk = 0; kk < kBlockK / 16; ++kk) {
+            unsigned frag_b[kTilesN / 2][4];
+#pragma unroll
+            for (int pair = 0; pair < kTilesN / 2; ++pair) {
+                ldmatrix_x4(frag_b[pair],
+                            tile_b + (b_row(warp_n, 2 * pair) + (lane & 7) + (lane >> 4) * 8) *
+                                         kStride +
+                                kk * 16 + ((lane >> 3) & 1) * 8);
+            }
+            if (kk + 1 < kBlockK / 16) load_a(frag_a[(kk + 1) % 2], kk + 1);
+#pragma unroll
+            for (int pair = 0; pair < kTilesN / 2; ++pair) {
+#pragma unroll
+                for (int mi = 0; mi < kTilesM; ++mi) {
+                    if (mi < m_tiles) {
+                        mma_16816<T>(acc[mi][2 * pair], frag_a[kk % 2][mi], frag_b[pair][0],
+                                     frag_b[pair][1]);
+                        mma_16816<T>(acc[mi][2 * pair + 1], frag_a[kk % 2][mi], frag_b[pair][2],
+                                     frag_b[pair][3]);
+                    }
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    // Epilogue: element 2 r + i of a C fragment is row group + 8 r, column
+    // 2 quad + i of its tile; each pair is stored as one 32-bit word.
+    T* out = static_cast<T*>(p.out);
+#pragma unroll
+    for (int mi = 0; mi < kTilesM; ++mi) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = warp_row + mi * 16 + group + 8 * r;
+            if (row >= rows) continue;
+            T* out_row = out + static_cast<long long>(first + row) * p.n_out;
+            if constexpr (kGated) {
+#pragma unroll
+                for (int nb = 0; nb < kTilesN / 2; ++nb) {
+                    const int column = n_block * (kBlockN / 2) + b_row(warp_n, nb) + quad * 2;
+                    if (column >= p.n_out) continue;
+                    float h[2];
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+                        const float gate = round_to<T>(acc[mi][nb][2 * r + i]);
+                        const float up = round_to<T>(acc[mi][nb + kTilesN / 2][2 * r + i]);
+                        h[i] = __fmul_rn(round_to<T>(silu(gate)), up);
+                    }
+                    *reinterpret_cast<unsigned*>(out_row + column) = pack2<T>(h[0], h[1]);
+                }
+            } else {
+#pragma unroll
+                for (int nb = 0; nb < kTilesN; ++nb) {
+                    const int column = n_block * kBlockN + b_row(warp_n, nb) + quad * 2;
+                    if (column >= p.n_out) continue;
+                    *reinterpret_cast<unsigned*>(out_row + column) =
+                        pack2<T>(acc[mi][nb][2 * r], acc[mi][nb][2 * r + 1]);
+                }
+            }
+        }
+    }
+}
+
+template <typename T, bool kGated>
+int launch_gemm(const GemmParams& p, int max_tiles, cudaStream_t stream) {
+    constexpr int smem = smem_bytes<T>();
+    const cudaError_t status = cudaFuncSetAttribute(
+        gemm_kernel<T, kGated>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (status != cudaSuccess) return static_cast<int>(status);
+    const long long blocks = static_cast<long long>(max_tiles) * p.n_blocks;
+    gemm_kernel<T, kGated><<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p);
+    return launch_status();
+}
+
+// ------------------------------------------------------------------- launcher
+
+inline int chunk_count(int routed) { return (routed + kChunkRows - 1) / kChunkRows; }
+
+// ceil(R / kBlockM) + E: at least sum_e ceil(rows_e / kBlockM).
+inline int max_tile_count(int routed, int experts) {
+    return (routed + kBlockM - 1) / kBlockM + experts;
+}
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+struct Buffers {
+    const void* x;
+    const uint32_t* ids;
+    const void* gate_up;
+    const void* down;
+    uint32_t* chunk_counts;
+    uint32_t* offsets;
+    uint4* tiles;
+    uint32_t* tile_count;
+    uint32_t* positions;
+    uint32_t* tokens_of;
+    void* h;
+    void* expert_out;
+};
+
+template <typename T>
+int launch(const Buffers& b, int tokens, int top_k, int experts, int hidden, int inter,
+           cudaStream_t stream) {
+    const int routed = tokens * top_k;
+    const int chunks = chunk_count(routed);
+    const unsigned chunk_blocks = static_cast<unsigned>((chunks + kChunkWarps - 1) / kChunkWarps);
+    const size_t chunk_smem = static_cast<size_t>(kChunkWarps) * experts * sizeof(uint32_t);
+    chunk_kernel<false><<<chunk_blocks, kChunkWarps * 32, chunk_smem, stream>>>(
+        b.ids, routed, top_k, experts, chunks, b.chunk_counts, nullptr, nullptr, nullptr);
+    scan_kernel<<<1, kScanThreads, 0, stream>>>(b.chunk_counts, chunks, experts, kBlockM,
+                                                b.offsets, b.tiles, b.tile_count);
+    chunk_kernel<true><<<chunk_blocks, kChunkWarps * 32, chunk_smem, stream>>>(
+        b.ids, routed, top_k, experts, chunks, b.chunk_counts, b.offsets, b.positions,
+        b.tokens_of);
+    int status = launch_status();
+    if (status != 0) return status;
+
+    const int max_tiles = max_tile_count(routed, experts);
+    const GemmParams gate_up{b.x,        b.tokens_of,  b.gate_up, b.h, b.tiles, b.tile_count,
+                             hidden,     inter,        (inter + kBlockN / 2 - 1) / (kBlockN / 2)};
+    status = launch_gemm<T, true>(gate_up, max_tiles, stream);
+    if (status != 0) return status;
+    const GemmParams down{b.h,    nullptr, b.down, b.expert_out, b.tiles, b.tile_count,
+                          inter,  hidden,  (hidden + kBlockN - 1) / kBlockN};
+    return launch_gemm<T, false>(down, max_tiles, stream);
+}
+
+}  // namespace berrylm::moe_grouped
+
+using namespace berrylm::moe_grouped;
+
+// The sizes of a call (`MoeSizes` in src/cuda/moe.rs): R = tokens * top_k
+// routed rows, E experts, hidden H and expert width I.
+struct MoeSizes {
+    int tokens;
+    int top_k;
+    int experts;
+    int hidden;
+    int inter;
+};
+
+// The u32 scratch lengths of `berrylm_moe_grouped_experts` for `routed`
+// rows (tokens x top_k) and `experts`: chunk counts, tile table (4 words a
+// tile).
+extern "C" void berrylm_moe_grouped_scratch(int routed, int experts, long long* chunk_counts,
+                                            long long* tiles) {
+    *chunk_counts = static_cast<long long>(chunk_count(routed)) * experts;
+    *tiles = 4ll * max_tile_count(routed, experts);
+}
+
+// The largest number of experts `berrylm_moe_grouped_experts` takes.
+extern "C" int berrylm_moe_grouped_max_experts() { return kMaxExperts; }
+
+// bf16/f16 only. Writes h ([R, inter]) and expert_out ([R, hidden]) in
+// expert-grouped order, R = tokens * top_k, and positions[r] (u32 [R]): the
+// grouped row of routed row r (kNotRouted for an id at or above `experts`),
+// the `rows` of berrylm_moe_combine. The other u32 buffers are scratch
+// (lengths from berrylm_moe_grouped_scratch; offsets [experts], tile_count
+// [1], tokens_of [R]). Needs hidden and inter multiples of 8 and x, gate_up,
+// down, h and expert_out 16-byte aligned (cp.async copies 16 bytes).
+extern "C" int berrylm_moe_grouped_experts(int dtype, const void* x, const uint32_t* ids,
+                                           const void* gate_up, const void* down,
+                                           uint32_t* chunk_counts, uint32_t* offsets,
+                                           uint32_t* tiles, uint32_t* tile_count,
+                                           uint32_t* positions, uint32_t* tokens_of, void* h,
+                                           void* expert_out, MoeSizes sizes, void* stream) {
+    const int tokens = sizes.tokens;
+    const int top_k = sizes.top_k;
+    const int experts = sizes.experts;
+    const int hidden = sizes.hidden;
+    const int inter = sizes.inter;
+    if (tokens == 0) return 0;
+    if (top_k <= 0 || experts <= 0 || experts > kMaxExperts || hidden <= 0 || inter <= 0 ||
+        hidden % 8 != 0 || inter % 8 != 0 ||
+        static_cast<long long>(tokens) * top_k > 0x7fffffffll) {
+        return static_cast<int>(cudaErrorInvalidValue);
+    }
+    if (!aligned16(x) || !aligned16(gate_up) || !aligned16(down) || !aligned16(h) ||
+        !aligned16(expert_out)) {
+        return static_cast<int>(cudaErrorMisalignedAddress);
+    }
+    const Buffers buffers{x,         ids,        gate_up,   down,      chunk_counts,
+                          offsets,   reinterpret_cast<uint4*>(tiles), tile_count,
+                          positions, tokens_of,  h,         expert_out};
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    switch (dtype) {
+        case berrylm::kBF16:
+            return launch<__nv_bfloat16>(buffers, tokens, top_k, experts, hidden, inter, s);
+        case berrylm::kF16:
+            return launch<__half>(buffers, tokens, top_k, experts, hidden, inter, s);
+        default:
+            return static_cast<int>(cudaErrorInvalidValue);
+    }
+}
