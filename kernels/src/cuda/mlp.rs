@@ -54,10 +54,12 @@ impl AddMoeOutputArgs<'_> {
         const OP: &str = "add_moe_output";
         let hidden = self.hidden;
         let mut launch = Launch::new(OP, self.residual)?;
-        let residual = launch.input("residual", self.residual)?;
-        let routed = launch.input("routed", self.routed)?;
-        let shared = launch.input("shared", self.shared)?;
-        let gate_logit = launch.input("gate_logit", self.gate_logit)?;
+        let [residual, routed, shared, gate_logit] = launch.inputs([
+            ("residual", self.residual),
+            ("routed", self.routed),
+            ("shared", self.shared),
+            ("gate_logit", self.gate_logit),
+        ])?;
         let dtype = launch.dtype(residual);
         let shape = launch.shape(residual).clone();
         let rows = shape.elem_count() / hidden.max(1);

@@ -198,6 +198,16 @@ impl Launch {
         self.push_input(name, tensor.contiguous()?)
     }
 
+    /// Declares each of `tensors` (with its name) as an [`Launch::input`],
+    /// in order.
+    fn inputs<const N: usize>(&mut self, tensors: [(&'static str, &Tensor); N]) -> Result<[In; N]> {
+        let mut inputs = [In(0); N];
+        for (input, (name, tensor)) in inputs.iter_mut().zip(tensors) {
+            *input = self.input(name, tensor)?;
+        }
+        Ok(inputs)
+    }
+
     /// Declares `tensor` as an input read in `dtype` (converted when it has
     /// another one), made contiguous.
     fn input_as(&mut self, name: &'static str, tensor: &Tensor, dtype: DType) -> Result<In> {

@@ -41,8 +41,7 @@ impl NormRopeArgs<'_> {
         let mut launch = Launch::new(OP, self.x)?;
         let (x, x_stride) = launch.input_rows("x", self.x)?;
         let scale = launch.input_as("scale", self.scale, DType::F32)?;
-        let cos = launch.input("cos", self.cos)?;
-        let sin = launch.input("sin", self.sin)?;
+        let [cos, sin] = launch.inputs([("cos", self.cos), ("sin", self.sin)])?;
         let dtype = launch.dtype(x);
         let rows = batch * seq_len * heads;
         // What candle's `mean_keepdim` multiplies the sum by, and the `eps` its
