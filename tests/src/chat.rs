@@ -129,3 +129,20 @@ pub fn tool_call_message<'a>(status: u16, response: &'a Value, reasoning: &str) 
     );
     message
 }
+
+/// Checks an assistant message in [`chat_answer`]'s shape (or [`assemble`]'s)
+/// against the model's answer to the golden weather question: a call to
+/// `get_weather` with `{"city": "Oslo"}`, ending the turn.
+pub fn assert_golden_weather_call(message: &Value, finish_reason: &str) {
+    assert_eq!(finish_reason, "tool_calls", "{message}");
+    assert_eq!(
+        message["tool_calls"][0]["name"],
+        json!("get_weather"),
+        "{message}"
+    );
+    assert_eq!(
+        arguments(&message["tool_calls"][0]["arguments"]),
+        json!({"city": "Oslo"}),
+        "{message}"
+    );
+}
