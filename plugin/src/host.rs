@@ -7,7 +7,7 @@ use mistralrs_core::plugin_api::{
     chat_output_parser_named, AnyMoeBaseModelMixin, ChatOutputParser, ChatOutputRequest,
     DeviceMapper, EitherCache, FlashParams, HybridLayerCache, IsqModel, KvCacheLayout,
     ModelConfigLike, ModelConfigMetadata, NonGranularState, NormalModel,
-    PagedAttentionInputMetadata, UnVarBuilder,
+    PagedAttentionInputMetadata,
 };
 use mistralrs_quant::QuantMethod;
 
@@ -196,7 +196,9 @@ impl NormalModel for BerryLmHostModel {
     }
 }
 
-/// In-situ quantization is not supported: BerryLM's layers keep their weights.
+/// The host's in-situ quantization sees the projections it quantized while
+/// loading or fills from a UQFF file (crate::layers::projection); the rest of
+/// the model is its residual tensors.
 impl IsqModel for BerryLmHostModel {
     fn get_layers(
         &mut self,
@@ -204,12 +206,35 @@ impl IsqModel for BerryLmHostModel {
         Vec<(&mut Arc<dyn QuantMethod>, Option<usize>)>,
         &dyn DeviceMapper,
     ) {
-        (Vec::new(), &*self.mapper)
+        let layers = self
+            .model
+            .host_layers_mut()
+            .into_iter()
+            .map(|(layer, index)| (layer.layer_mut(), index))
+            .collect();
+        (layers, &*self.mapper)
     }
 
+    /// Collecting an imatrix needs the host's layers to see every
+    /// projection's inputs in full precision; BerryLM's full-precision
+    /// projections are its own.
+    fn begin_track_stats(&mut self) -> anyhow::Result<()> {
+        anyhow::bail!(CALIBRATION_UNSUPPORTED)
+    }
+
+    fn begin_track_stats_moe_experts_only(&mut self) -> anyhow::Result<()> {
+        anyhow::bail!(CALIBRATION_UNSUPPORTED)
+    }
+
+    /// The tensors a UQFF file does not hold, under their checkpoint names.
     fn residual_tensors(&self) -> Vec<(String, Tensor)> {
-        UnVarBuilder::new().to_safetensors()
+        self.model.checkpoint_tensors().unwrap_or_else(|error| {
+            panic!("BerryLM: collecting its full-precision tensors for the UQFF file: {error}")
+        })
     }
 }
+
+const CALIBRATION_UNSUPPORTED: &str = "BerryLM cannot collect an imatrix from a calibration file \
+     (`--calibration-file`): quantize it without one (`--isq TYPE`)";
 
 impl AnyMoeBaseModelMixin for BerryLmHostModel {}

@@ -16,6 +16,7 @@ pub mod layers;
 pub mod loader;
 pub mod model;
 pub mod output_parser;
+pub mod quantization;
 pub mod registry;
 pub mod weights;
 

@@ -13,10 +13,12 @@ use mistralrs_core::plugin_api::{
 };
 use mistralrs_core::Ordering;
 use mistralrs_quant::ShardedVarBuilder;
+use regex::Regex;
 
 use crate::config::{BerryLmConfig, LayerKind};
 use crate::host::{model_metadata, BerryLmHostModel};
 use crate::model::BerryLm;
+use crate::quantization::{self, QuantizationReport};
 use crate::weights::Weights;
 
 /// Head sizes of the host's paged attention decode kernels.
@@ -36,19 +38,15 @@ impl NormalModelLoader for BerryLmLoader {
         normal_loading_metadata: NormalLoadingMetadata,
         attention_mechanism: AttentionImplementation,
     ) -> Result<Box<dyn NormalModel + Send + Sync>> {
-        // The host would load the weights unquantized (on the CPU, to quantize
-        // them afterwards) and serve them so: refuse instead of ignoring.
-        anyhow::ensure!(
-            !normal_loading_metadata.loading_isq && mistralrs_quant::get_immediate_isq().is_none(),
-            "BerryLM does not support in-situ quantization yet (`--isq`, `--from-uqff`, an imatrix \
-             or a calibration file): its projections and experts are not the host's quantizable \
-             layers; serve it without these options"
-        );
         let cfg = BerryLmConfig::from_json(config)?;
         let device = normal_loading_metadata.real_device.clone();
-        let weights = Weights::new(vb.set_device(device));
+        // With `loading_isq` the host fills or quantizes layers after loading:
+        // the projections a UQFF file holds are withheld from the checkpoint.
+        let loading_isq = normal_loading_metadata.loading_isq;
+        let weights = Weights::new(vb.set_device(device)).with_host_filling_withheld(loading_isq);
         let paged = matches!(attention_mechanism, AttentionImplementation::PagedAttention);
-        let model = BerryLm::load(cfg, &weights, paged)?;
+        let mut model = BerryLm::load(cfg, &weights, paged)?;
+        log_quantization(&mut model, loading_isq)?;
         tracing::info!(
             "BerryLM: {} layers ({} KDA, {} full attention), {} experts top-{}",
             model.config().num_hidden_layers,
@@ -100,7 +98,64 @@ impl NormalModelLoader for BerryLmLoader {
     }
 }
 
-impl IsqModelLoader for BerryLmLoader {}
+/// Logs what the host's ISQ made of the model's projections. A load the host
+/// would quantize after loading the whole checkpoint (an imatrix, per-layer
+/// ISQ types of a topology) is refused: BerryLM's projections are the host's
+/// layers only when it quantizes them while loading (`--isq`) or fills them
+/// from a UQFF file.
+fn log_quantization(model: &mut BerryLm, loading_isq: bool) -> Result<()> {
+    let Some(report) = QuantizationReport::of(model)? else {
+        anyhow::ensure!(
+            !loading_isq,
+            "BerryLM cannot be quantized after loading (an imatrix file, `--imatrix`, or \
+             per-layer ISQ types in a `--topology`): quantize it while loading (`--isq TYPE`) \
+             or load a UQFF file (`--from-uqff`)"
+        );
+        return Ok(());
+    };
+    if report.withheld > 0 {
+        tracing::info!(
+            "BerryLM: {} of its {} quantizable projections come from the UQFF file",
+            report.withheld,
+            report.host_layers
+        );
+    } else {
+        tracing::info!(
+            "BerryLM: in-situ quantization quantized {} of {} projections; the weights take \
+             {} bytes ({:.1} MiB), {} bytes ({:.1} MiB) in full precision",
+            report.quantized,
+            report.host_layers,
+            report.bytes,
+            mebibytes(report.bytes),
+            report.full_precision_bytes,
+            mebibytes(report.full_precision_bytes)
+        );
+    }
+    Ok(())
+}
+
+fn mebibytes(bytes: usize) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
+}
+
+/// The tensors the host may quantize (`crate::quantization`).
+impl IsqModelLoader for BerryLmLoader {
+    fn isq_layer_regexes(&self, _config: &str) -> Result<Vec<Regex>> {
+        Ok(quantization::quantizable_tensors()?)
+    }
+
+    fn immediate_isq_predicates(&self, config: &str) -> Result<Vec<Regex>> {
+        self.isq_layer_regexes(config)
+    }
+
+    fn isq_layer_regexes_moqe(&self, _config: &str) -> Result<Vec<Regex>> {
+        Ok(quantization::quantizable_tensors_moqe()?)
+    }
+
+    fn immediate_isq_predicates_moqe(&self, config: &str) -> Result<Vec<Regex>> {
+        self.isq_layer_regexes_moqe(config)
+    }
+}
 
 impl DeviceMappedModelLoader for BerryLmLoader {
     fn mapped_max_act_size_elems(
@@ -139,11 +194,11 @@ impl DeviceMappedModelLoader for BerryLmLoader {
         _matformer_config: Option<&MatformerSliceConfig>,
     ) -> Result<usize> {
         let cfg = BerryLmConfig::from_json(config)?;
-        let embedding = cfg.vocab_size * cfg.hidden_size / weight_pack_factor;
+        let embedding = cfg.vocab_size * cfg.hidden_size;
         let lm_head = if cfg.tie_word_embeddings {
             0
         } else {
-            embedding
+            embedding / weight_pack_factor
         };
         Ok((embedding + lm_head + cfg.hidden_size) * dtype.size_in_bytes())
     }
@@ -156,6 +211,8 @@ impl DeviceMappedModelLoader for BerryLmLoader {
         _matformer_config: Option<&MatformerSliceConfig>,
     ) -> Result<Vec<usize>> {
         let cfg = BerryLmConfig::from_json(config)?;
+        // The projections the host may quantize take 1 / weight_pack_factor
+        // (crate::quantization lists them).
         let hidden = cfg.hidden_size;
         let moe = hidden * cfg.num_experts
             + cfg.num_experts * 3 * hidden * cfg.moe_intermediate_size / weight_pack_factor
@@ -177,13 +234,15 @@ impl DeviceMappedModelLoader for BerryLmLoader {
                             * cfg.head_dim
                             * if cfg.attn_output_gate { 2 } else { 1 };
                         let kv_rows = cfg.num_key_value_heads * cfg.head_dim;
-                        (q_rows + 2 * kv_rows) * hidden
-                            + cfg.num_attention_heads * cfg.head_dim * hidden
+                        ((q_rows + 2 * kv_rows) * hidden
+                            + cfg.num_attention_heads * cfg.head_dim * hidden)
+                            / weight_pack_factor
                             + 2 * cfg.head_dim
                     }
                     LayerKind::LinearAttention => {
                         let gate_dim = cfg.linear_num_value_heads * cfg.linear_key_head_dim;
                         (cfg.linear_conv_dim() + 2 * cfg.linear_value_dim()) * hidden
+                            / weight_pack_factor
                             + cfg.linear_num_value_heads * hidden
                             + cfg.kda_gate_bottleneck * (hidden + gate_dim)
                             + cfg.linear_conv_dim() * cfg.linear_conv_kernel_dim

@@ -15,6 +15,7 @@ use crate::layers::kda::{Kda, KdaState};
 use crate::layers::linear::Linear;
 use crate::layers::moe::SparseMoe;
 use crate::layers::norm::OffsetRmsNorm;
+use crate::layers::projection::{HostLayer, Projection, ProjectionSpec};
 use crate::layers::rope::PartialRotaryEmbedding;
 use crate::weights::Weights;
 use berrylm_kernels::StatePool;
@@ -85,6 +86,29 @@ impl DecoderLayer {
     }
 }
 
+impl DecoderLayer {
+    fn host_layers_mut<'a>(&'a mut self, out: &mut Vec<&'a mut HostLayer>) {
+        match &mut self.mixer {
+            Mixer::Kda(kda) => kda.host_layers_mut(out),
+            Mixer::Attention(attention) => attention.host_layers_mut(out),
+        }
+        self.moe.host_layers_mut(out);
+    }
+
+    fn checkpoint_tensors(&self, dtype: DType, out: &mut Vec<(String, Tensor)>) -> Result<()> {
+        if let Some(attn_res) = &self.attn_res {
+            attn_res.checkpoint_tensors(dtype, out)?;
+        }
+        out.push(self.input_layernorm.checkpoint_tensor());
+        out.push(self.post_attention_layernorm.checkpoint_tensor());
+        match &self.mixer {
+            Mixer::Kda(kda) => kda.checkpoint_tensors(dtype, out)?,
+            Mixer::Attention(attention) => attention.checkpoint_tensors(out)?,
+        }
+        self.moe.checkpoint_tensors(out)
+    }
+}
+
 impl Mixer {
     fn forward(&self, normed: &Tensor, state: MixerState<'_>) -> Result<Tensor> {
         match (self, state) {
@@ -131,12 +155,20 @@ pub struct PagedKv<'a> {
     pub metadata: &'a PagedAttentionInputMetadata,
 }
 
+/// The LM head: the embedding when tied (full precision), else its own projection.
+enum LmHead {
+    Tied(Linear),
+    Own(Projection),
+}
+
 pub struct BerryLm {
     cfg: BerryLmConfig,
     embed_tokens: Tensor,
+    /// The embedding's checkpoint name.
+    embed_tokens_name: String,
     layers: Vec<DecoderLayer>,
     norm: OffsetRmsNorm,
-    lm_head: Linear,
+    lm_head: LmHead,
     rope: PartialRotaryEmbedding,
     device: Device,
 }
@@ -153,13 +185,15 @@ impl BerryLm {
         #[cfg(feature = "cuda")]
         crate::device_memory::keep_freed_memory_pooled(&device)?;
         let model = weights.pp("model");
-        let embed_tokens = model
-            .pp("embed_tokens")
-            .get((cfg.vocab_size, cfg.hidden_size), "weight")?;
+        let embed_module = model.pp("embed_tokens");
+        let embed_tokens = embed_module.get((cfg.vocab_size, cfg.hidden_size), "weight")?;
         let lm_head = if cfg.tie_word_embeddings {
-            Linear::new(embed_tokens.clone(), None)
+            LmHead::Tied(Linear::new(embed_tokens.clone(), None))
         } else {
-            Linear::load(weights, "lm_head", cfg.hidden_size, cfg.vocab_size, false)?
+            LmHead::Own(Projection::load(
+                weights,
+                ProjectionSpec::quantizable("lm_head", cfg.hidden_size, cfg.vocab_size),
+            )?)
         };
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for (index, kind) in cfg.layer_types.iter().enumerate() {
@@ -202,6 +236,7 @@ impl BerryLm {
         Ok(BerryLm {
             cfg,
             embed_tokens,
+            embed_tokens_name: embed_module.full_name("weight"),
             layers,
             norm,
             lm_head,
@@ -212,6 +247,39 @@ impl BerryLm {
 
     pub fn config(&self) -> &BerryLmConfig {
         &self.cfg
+    }
+
+    /// The projections the host quantizes or fills (`IsqModel::get_layers`),
+    /// each with its decoder layer (`None` for the LM head), in a fixed order.
+    pub fn host_layers_mut(&mut self) -> Vec<(&mut HostLayer, Option<usize>)> {
+        let mut listed = Vec::new();
+        if let LmHead::Own(lm_head) = &mut self.lm_head {
+            let mut head = Vec::new();
+            lm_head.host_layers_mut(&mut head);
+            listed.extend(head.into_iter().map(|layer| (layer, None)));
+        }
+        for (index, layer) in self.layers.iter_mut().enumerate() {
+            let mut own = Vec::new();
+            layer.host_layers_mut(&mut own);
+            listed.extend(own.into_iter().map(|host_layer| (host_layer, Some(index))));
+        }
+        listed
+    }
+
+    /// Every tensor the model holds in full precision (all but the host's
+    /// layers) under its checkpoint name, in the model's dtype: with a UQFF
+    /// file's quantized layers, the whole checkpoint (`IsqModel::residual_tensors`).
+    pub fn checkpoint_tensors(&self) -> Result<Vec<(String, Tensor)>> {
+        let dtype = self.embed_tokens.dtype();
+        let mut tensors = vec![(self.embed_tokens_name.clone(), self.embed_tokens.clone())];
+        for layer in &self.layers {
+            layer.checkpoint_tensors(dtype, &mut tensors)?;
+        }
+        tensors.push(self.norm.checkpoint_tensor());
+        if let LmHead::Own(lm_head) = &self.lm_head {
+            lm_head.full_precision_tensors(&mut tensors)?;
+        }
+        Ok(tensors)
     }
 
     pub fn device(&self) -> &Device {
@@ -356,7 +424,10 @@ impl BerryLm {
 
     /// LM head over `[N, hidden]` (or `[B, T, hidden]`).
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        self.lm_head.forward(hidden)
+        match &self.lm_head {
+            LmHead::Tied(embedding) => embedding.forward(hidden),
+            LmHead::Own(lm_head) => lm_head.forward(hidden),
+        }
     }
 
     fn rotary_tables(

@@ -142,3 +142,18 @@ pub fn tool_call_message<'a>(
     assert_eq!(reasoning(message), Some(expected_reasoning), "{response}");
     message
 }
+
+/// Checks an assistant message in [`chat_answer`]'s shape (or [`assemble`]'s)
+/// against the model's answer to the golden weather question: a call to
+/// `get_weather` with `{"city": "Oslo"}`, ending the turn.
+pub fn assert_golden_weather_call(message: &Value, finish_reason: &str) {
+    let context = message.to_string();
+    assert_eq!(finish_reason, "tool_calls", "{context}");
+    let expected = json!({"city": "Oslo"});
+    assert_call(
+        &message["tool_calls"][0],
+        "get_weather",
+        &expected,
+        &context,
+    );
+}

@@ -5,21 +5,49 @@ use anyhow::Result;
 use berrylm_tests::fixtures_dir;
 use berrylm_tests::server::Server;
 
-/// `--isq`: the host would load the weights unquantized and serve them so.
-#[test]
-fn in_situ_quantization_is_refused_at_load() -> Result<()> {
+/// Starts the bundled model with `args`, which must fail at load with an
+/// error naming `option`.
+fn assert_refused(args: &[&str], option: &str) -> Result<()> {
     let model = fixtures_dir().join("trained-tiny/model");
-    let Err(error) = Server::start(&model, &["--isq", "q8_0"]) else {
-        panic!("the server came up with --isq q8_0, which BerryLM does not apply");
+    let Err(error) = Server::start(&model, args) else {
+        panic!("the server came up with {args:?}, which BerryLM does not honour");
     };
     let message = format!("{error:#}");
     assert!(
-        message.contains("exited") && message.contains("does not support in-situ quantization"),
-        "expected the server to exit naming in-situ quantization:\n{message}"
+        message.contains("exited") && message.contains(option),
+        "expected the server to exit naming {option}:\n{message}"
     );
     assert!(
         !message.contains("panicked at"),
         "the server panicked:\n{message}"
     );
     Ok(())
+}
+
+/// An imatrix asks the host to quantize after loading the whole checkpoint.
+#[test]
+fn an_imatrix_is_refused_at_load() -> Result<()> {
+    let imatrix = std::env::temp_dir().join(format!("berrylm-{}.imatrix", std::process::id()));
+    assert_refused(
+        &["--isq", "q4k", "--imatrix", &imatrix.to_string_lossy()],
+        "`--imatrix`",
+    )
+}
+
+/// A calibration file asks the host to collect an imatrix by running the model.
+#[test]
+fn a_calibration_file_is_refused_at_load() -> Result<()> {
+    let calibration = std::env::temp_dir().join(format!("berrylm-{}.txt", std::process::id()));
+    std::fs::write(&calibration, "What is the weather in Oslo?")?;
+    let result = assert_refused(
+        &[
+            "--isq",
+            "q4k",
+            "--calibration-file",
+            &calibration.to_string_lossy(),
+        ],
+        "`--calibration-file`",
+    );
+    std::fs::remove_file(&calibration)?;
+    result
 }

@@ -6,7 +6,9 @@
 //! the request does not offer, or `required` without tools, is refused.
 
 use anyhow::{Context, Result};
-use berrylm_tests::chat::{arguments, assert_call, chat_answer, golden_chat_request, reasoning};
+use berrylm_tests::chat::{
+    arguments, assert_golden_weather_call, chat_answer, golden_chat_request, reasoning,
+};
 use berrylm_tests::server::Server;
 use berrylm_tests::Fixture;
 use serde_json::{json, Value};
@@ -126,14 +128,7 @@ fn required_and_named_force_a_typed_call_to_an_offered_tool() -> Result<()> {
     // `auto` is the model's own choice: the golden get_weather call.
     let (message, finish_reason) =
         chat_answer(&server, &with_tool_choice(weather, json!("auto"), false))?;
-    assert_eq!(finish_reason, "tool_calls", "{message}");
-    let context = message.to_string();
-    assert_call(
-        &message["tool_calls"][0],
-        "get_weather",
-        &json!({"city": "Oslo"}),
-        &context,
-    );
+    assert_golden_weather_call(&message, &finish_reason);
     Ok(())
 }
 

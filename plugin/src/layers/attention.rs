@@ -17,9 +17,9 @@ use mistralrs_core::plugin_api::{
 };
 
 use crate::config::BerryLmConfig;
-use crate::layers::linear::Linear;
 use crate::layers::norm::OffsetRmsNorm;
 use crate::layers::ops::{matmul, scale};
+use crate::layers::projection::{HostLayer, Projection, ProjectionSpec, Projections};
 use crate::weights::Weights;
 
 /// Queries per block of the eager attention over long prompts.
@@ -37,11 +37,11 @@ pub enum AttentionKv<'a> {
 }
 
 pub struct GatedAttention {
-    /// `q_proj`, `k_proj` and `v_proj` stacked into one projection (one
-    /// launch per step instead of three): output columns q (with the
-    /// interleaved output gate), then k, then v.
-    qkv_proj: Linear,
-    o_proj: Linear,
+    /// `q_proj`, `k_proj` and `v_proj` (q with the interleaved output gate),
+    /// stacked into one projection (one launch per step instead of three)
+    /// when the host quantizes none of them.
+    qkv_proj: Projections,
+    o_proj: Projection,
     q_norm: OffsetRmsNorm,
     k_norm: OffsetRmsNorm,
     num_heads: usize,
@@ -64,19 +64,20 @@ impl GatedAttention {
         let q_rows = cfg.num_attention_heads * head_dim * if cfg.attn_output_gate { 2 } else { 1 };
         let kv_rows = cfg.num_key_value_heads * head_dim;
         let bias = cfg.attention_bias;
-        let qkv_proj = Linear::stacked(&[
-            Linear::load(&attn, "q_proj", hidden, q_rows, bias)?,
-            Linear::load(&attn, "k_proj", hidden, kv_rows, bias)?,
-            Linear::load(&attn, "v_proj", hidden, kv_rows, bias)?,
-        ])?;
+        let qkv_proj = Projections::load(
+            &attn,
+            &[
+                ProjectionSpec::quantizable("q_proj", hidden, q_rows).with_bias(bias),
+                ProjectionSpec::quantizable("k_proj", hidden, kv_rows).with_bias(bias),
+                ProjectionSpec::quantizable("v_proj", hidden, kv_rows).with_bias(bias),
+            ],
+        )?;
         Ok(GatedAttention {
             qkv_proj,
-            o_proj: Linear::load(
+            o_proj: Projection::load(
                 &attn,
-                "o_proj",
-                cfg.num_attention_heads * head_dim,
-                hidden,
-                bias,
+                ProjectionSpec::quantizable("o_proj", cfg.num_attention_heads * head_dim, hidden)
+                    .with_bias(bias),
             )?,
             q_norm: OffsetRmsNorm::load(&attn, "q_norm", head_dim, cfg.rms_norm_eps)?,
             k_norm: OffsetRmsNorm::load(&attn, "k_norm", head_dim, cfg.rms_norm_eps)?,
@@ -95,6 +96,21 @@ impl GatedAttention {
         })
     }
 
+    /// Its projections the host quantizes or fills, in order.
+    pub fn host_layers_mut<'a>(&'a mut self, out: &mut Vec<&'a mut HostLayer>) {
+        self.qkv_proj.host_layers_mut(out);
+        self.o_proj.host_layers_mut(out);
+    }
+
+    /// Its full-precision tensors under their checkpoint names.
+    pub fn checkpoint_tensors(&self, out: &mut Vec<(String, Tensor)>) -> Result<()> {
+        self.qkv_proj.full_precision_tensors(out)?;
+        self.o_proj.full_precision_tensors(out)?;
+        out.push(self.q_norm.checkpoint_tensor());
+        out.push(self.k_norm.checkpoint_tensor());
+        Ok(())
+    }
+
     /// `x` `[B, T, hidden]`; `cos`/`sin` `[B, T, rotary_dim]` for each token's position.
     pub fn forward(
         &self,
@@ -108,11 +124,9 @@ impl GatedAttention {
         let (batch, seq_len, _) = x.dims3()?;
         // Views of the stacked projection's columns (contiguous for one token).
         let projected = self.qkv_proj.forward(x)?;
-        let q_width = self.num_heads * self.head_dim * if self.output_gate { 2 } else { 1 };
-        let kv_width = self.num_kv_heads * self.head_dim;
-        let q_all = projected.narrow(2, 0, q_width)?;
-        let k = projected.narrow(2, q_width, kv_width)?;
-        let v = projected.narrow(2, q_width + kv_width, kv_width)?;
+        let q_all = projected.part(0)?;
+        let k = projected.part(1)?;
+        let v = projected.part(2)?;
         let (q, gate) = if self.output_gate {
             let q2 = q_all.reshape((batch, seq_len, self.num_heads, 2 * self.head_dim))?;
             // Views whose heads lie 2 * head_dim apart, read in place by the

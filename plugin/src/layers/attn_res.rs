@@ -8,6 +8,8 @@ use crate::weights::Weights;
 
 #[derive(Debug, Clone)]
 pub struct AttnRes {
+    /// The module's checkpoint name (`model.layers.0.attn_res`).
+    name: String,
     pseudo_query: Tensor,
     /// The raw gate parameter `g` (the blend uses `tanh(g)`); `None` when ungated.
     gate: Option<f32>,
@@ -28,10 +30,28 @@ impl AttnRes {
             None
         };
         Ok(AttnRes {
+            name: weights.full_name("attn_res"),
             pseudo_query,
             gate,
             eps: cfg.attn_res_eps,
         })
+    }
+
+    /// Its parameters under their checkpoint names, in `dtype` (they go back
+    /// exactly: they were read in it).
+    pub fn checkpoint_tensors(&self, dtype: DType, out: &mut Vec<(String, Tensor)>) -> Result<()> {
+        let name = &self.name;
+        out.push((
+            format!("{name}.pseudo_query"),
+            self.pseudo_query.to_dtype(dtype)?,
+        ));
+        if let Some(gate) = self.gate {
+            out.push((
+                format!("{name}.gate"),
+                Tensor::new(gate, self.pseudo_query.device())?.to_dtype(dtype)?,
+            ));
+        }
+        Ok(())
     }
 
     /// Mixes `committed` block streams (oldest first) with the current stream `x`,

@@ -6,7 +6,7 @@ use candle_core::{DType, Module, Result, Tensor};
 
 use crate::config::BerryLmConfig;
 use crate::error::BerryLmError;
-use crate::layers::linear::Linear;
+use crate::layers::projection::{HostLayer, Projection, ProjectionSpec, Projections};
 use crate::weights::Weights;
 
 /// One sequence group's KDA state: its rows of the host's pools, which the
@@ -20,11 +20,14 @@ pub struct KdaState<'a> {
 }
 
 pub struct Kda {
-    /// `in_proj_qkv`, `in_proj_z`, `in_proj_b` and `f_down_proj` stacked into
-    /// one projection (one launch per step instead of four); its output
-    /// columns are q|k|v, z, b and the gate's bottleneck, in that order.
-    in_proj: Linear,
-    f_up_proj: Linear,
+    /// The module's checkpoint name (`model.layers.0.linear_attn`).
+    name: String,
+    /// `in_proj_qkv`, `in_proj_z`, `in_proj_b` and `f_down_proj`, whose
+    /// outputs are q|k|v, z, b and the gate's bottleneck; stacked into one
+    /// projection (one launch per step instead of four) when the host
+    /// quantizes none of them.
+    in_proj: Projections,
+    f_up_proj: Projection,
     /// `[conv_dim, Kc]`. This and the other parameters of the kernels are kept
     /// in f32 (exact), the dtype the kernels compute in, so that no call
     /// converts them.
@@ -32,12 +35,11 @@ pub struct Kda {
     a_log: Tensor,
     dt_bias: Tensor,
     norm_weight: Tensor,
-    out_proj: Linear,
+    out_proj: Projection,
     num_key_heads: usize,
     num_value_heads: usize,
     key_head_dim: usize,
     value_head_dim: usize,
-    gate_rank: usize,
     gate_lower_bound: Option<f32>,
     norm_eps: f64,
 }
@@ -47,9 +49,15 @@ const MODULE_NAMES: [&str; 2] = ["linear_attn", "kda"];
 
 impl Kda {
     pub fn load(layer: &Weights, cfg: &BerryLmConfig) -> crate::error::Result<Kda> {
+        // A UQFF file's checkpoint withholds `in_proj_qkv` (quantized) but
+        // holds `in_proj_b` (never quantized).
         let module_name = MODULE_NAMES
             .iter()
-            .find(|name| layer.contains(&format!("{name}.in_proj_qkv.weight")))
+            .find(|name| {
+                ["in_proj_qkv", "in_proj_b"]
+                    .iter()
+                    .any(|projection| layer.contains(&format!("{name}.{projection}.weight")))
+            })
             .ok_or_else(|| BerryLmError::Weight {
                 name: layer.full_name("linear_attn.in_proj_qkv.weight"),
                 message: format!(
@@ -67,15 +75,24 @@ impl Kda {
             .get((conv_dim, 1, kernel), "weight")?
             .reshape((conv_dim, kernel))?
             .to_dtype(DType::F32)?;
-        let in_proj = Linear::stacked(&[
-            Linear::load(&kda, "in_proj_qkv", hidden, conv_dim, false)?,
-            Linear::load(&kda, "in_proj_z", hidden, cfg.linear_value_dim(), false)?,
-            Linear::load(&kda, "in_proj_b", hidden, cfg.linear_num_value_heads, false)?,
-            Linear::load(&kda, "f_down_proj", hidden, cfg.kda_gate_bottleneck, false)?,
-        ])?;
+        // β and the forget gate's projections stay in full precision, as in
+        // the reference implementations.
+        let in_proj = Projections::load(
+            &kda,
+            &[
+                ProjectionSpec::quantizable("in_proj_qkv", hidden, conv_dim),
+                ProjectionSpec::quantizable("in_proj_z", hidden, cfg.linear_value_dim()),
+                ProjectionSpec::full_precision("in_proj_b", hidden, cfg.linear_num_value_heads),
+                ProjectionSpec::full_precision("f_down_proj", hidden, cfg.kda_gate_bottleneck),
+            ],
+        )?;
         Ok(Kda {
+            name: layer.full_name(module_name),
             in_proj,
-            f_up_proj: Linear::load(&kda, "f_up_proj", cfg.kda_gate_bottleneck, gate_dim, false)?,
+            f_up_proj: Projection::load(
+                &kda,
+                ProjectionSpec::full_precision("f_up_proj", cfg.kda_gate_bottleneck, gate_dim),
+            )?,
             conv_weight,
             a_log: kda
                 .get(cfg.linear_num_value_heads, "A_log")?
@@ -85,15 +102,48 @@ impl Kda {
                 .pp("norm")
                 .get(cfg.linear_value_head_dim, "weight")?
                 .to_dtype(DType::F32)?,
-            out_proj: Linear::load(&kda, "out_proj", cfg.linear_value_dim(), hidden, false)?,
+            out_proj: Projection::load(
+                &kda,
+                ProjectionSpec::quantizable("out_proj", cfg.linear_value_dim(), hidden),
+            )?,
             num_key_heads: cfg.linear_num_key_heads,
             num_value_heads: cfg.linear_num_value_heads,
             key_head_dim: cfg.linear_key_head_dim,
             value_head_dim: cfg.linear_value_head_dim,
-            gate_rank: cfg.kda_gate_bottleneck,
             gate_lower_bound: cfg.kda_gate_lower_bound.map(|bound| bound as f32),
             norm_eps: cfg.rms_norm_eps,
         })
+    }
+
+    /// Its projections the host quantizes or fills, in order.
+    pub fn host_layers_mut<'a>(&'a mut self, out: &mut Vec<&'a mut HostLayer>) {
+        self.in_proj.host_layers_mut(out);
+        self.out_proj.host_layers_mut(out);
+    }
+
+    /// Its full-precision tensors under their checkpoint names, in `dtype`
+    /// (the parameters kept in f32 go back exactly: they were read in it).
+    pub fn checkpoint_tensors(&self, dtype: DType, out: &mut Vec<(String, Tensor)>) -> Result<()> {
+        self.in_proj.full_precision_tensors(out)?;
+        self.f_up_proj.full_precision_tensors(out)?;
+        self.out_proj.full_precision_tensors(out)?;
+        let (conv_dim, kernel) = self.conv_weight.dims2()?;
+        let name = &self.name;
+        out.extend([
+            (
+                format!("{name}.conv1d.weight"),
+                self.conv_weight
+                    .reshape((conv_dim, 1, kernel))?
+                    .to_dtype(dtype)?,
+            ),
+            (format!("{name}.A_log"), self.a_log.to_dtype(dtype)?),
+            (format!("{name}.dt_bias"), self.dt_bias.to_dtype(dtype)?),
+            (
+                format!("{name}.norm.weight"),
+                self.norm_weight.to_dtype(dtype)?,
+            ),
+        ]);
+        Ok(())
     }
 
     /// `x` `[B, T, hidden]` (already normed) continues the sequences whose state
@@ -108,15 +158,10 @@ impl Kda {
         // Views of the stacked projection's columns: for one token they are
         // contiguous, so no kernel below copies them.
         let projected = self.in_proj.forward(x)?;
-        let conv_dim = 2 * key_dim + value_dim;
-        let mixed = projected.narrow(2, 0, conv_dim)?;
-        let z = projected.narrow(2, conv_dim, value_dim)?;
-        let b = projected.narrow(2, conv_dim + value_dim, self.num_value_heads)?;
-        let gate_down = projected.narrow(
-            2,
-            conv_dim + value_dim + self.num_value_heads,
-            self.gate_rank,
-        )?;
+        let mixed = projected.part(0)?;
+        let z = projected.part(1)?;
+        let b = projected.part(2)?;
+        let gate_down = projected.part(3)?;
         let beta = berrylm_kernels::kda_beta(&b)?;
         let raw_gate = self.f_up_proj.forward(&gate_down)?;
         let gate = berrylm_kernels::kda_gate(

@@ -16,6 +16,19 @@ impl Linear {
         Linear { weight, bias }
     }
 
+    /// `[out_dim, in_dim]`.
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+
+    pub fn out_dim(&self) -> usize {
+        self.weight.dims()[0]
+    }
+
     /// Loads `{name}.weight` `[out_dim, in_dim]` and, if `with_bias`, `{name}.bias`.
     pub fn load(
         weights: &Weights,

@@ -7,4 +7,5 @@ pub mod linear;
 pub mod moe;
 pub mod norm;
 pub mod ops;
+pub mod projection;
 pub mod rope;

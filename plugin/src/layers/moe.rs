@@ -12,31 +12,81 @@
 //! chosen expert runs on its tokens: on the CPU in f32, the exact oracle of
 //! the reference. The router, the shared expert's input projections and its
 //! gate are one stacked projection.
+//!
+//! When the host quantizes in this load (in-situ quantization, or a UQFF
+//! file), each expert's projections are the host's layers
+//! (`crate::layers::projection`) and every expert runs on its own tokens
+//! through the host's quantized matmuls, on the CPU and on CUDA; the router
+//! and the shared expert's gate stay in full precision.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use candle_core::{DType, Device, IndexOp, Module, Result, Tensor};
+use candle_core::{DType, IndexOp, Module, Result, Tensor};
 use mistralrs_core::layers::Activation;
 use mistralrs_core::plugin_api::{MoEExperts, MoEExpertsConfig};
 use mistralrs_quant::{Comm, Id, ShardedSafeTensors};
 
 use crate::config::BerryLmConfig;
 use crate::layers::linear::Linear;
+use crate::layers::projection::{HostLayer, Projection, ProjectionSpec, Projections};
 use crate::weights::Weights;
 
 /// One SwiGLU expert: `down(silu(gate x) * up x)`.
 #[derive(Debug, Clone)]
 struct Expert {
-    /// `[2I, H]`: rows `0..I` are the gate projection, `I..2I` the up projection.
-    gate_up: Linear,
-    down: Linear,
+    /// The gate and up projections; in full precision one `[2I, H]` weight,
+    /// rows `0..I` the gate projection, `I..2I` the up projection.
+    gate_up: Projections,
+    down: Projection,
 }
 
 impl Expert {
+    /// The expert at `weights` (`…experts.{e}`), by its projections' names.
+    fn load(weights: &Weights, hidden: usize, inter: usize) -> crate::error::Result<Expert> {
+        Ok(Expert {
+            gate_up: Projections::load(
+                weights,
+                &[
+                    ProjectionSpec::quantizable("gate_proj", hidden, inter),
+                    ProjectionSpec::quantizable("up_proj", hidden, inter),
+                ],
+            )?,
+            down: Projection::load(
+                weights,
+                ProjectionSpec::quantizable("down_proj", inter, hidden),
+            )?,
+        })
+    }
+
+    /// The full-precision expert at `weights` (`…experts.{e}`, for its
+    /// projections' names) holding `gate_up` `[2I, H]` and `down` `[H, I]`.
+    fn full_precision(weights: &Weights, gate_up: Linear, down: Linear, inter: usize) -> Expert {
+        Expert {
+            gate_up: Projections::stacked(
+                gate_up,
+                vec![
+                    (weights.full_name("gate_proj"), inter),
+                    (weights.full_name("up_proj"), inter),
+                ],
+            ),
+            down: Projection::full_precision(weights.full_name("down_proj"), down),
+        }
+    }
+
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let activated = berrylm_kernels::swiglu(&self.gate_up.forward(x)?)?;
+        let activated = berrylm_kernels::swiglu(&self.gate_up.forward(x)?.span(0..2)?)?;
         self.down.forward(&activated)
+    }
+
+    fn host_layers_mut<'a>(&'a mut self, out: &mut Vec<&'a mut HostLayer>) {
+        self.gate_up.host_layers_mut(out);
+        self.down.host_layers_mut(out);
+    }
+
+    fn checkpoint_tensors(&self, out: &mut Vec<(String, Tensor)>) -> Result<()> {
+        self.gate_up.full_precision_tensors(out)?;
+        self.down.full_precision_tensors(out)
     }
 }
 
@@ -56,14 +106,13 @@ type Routed = Vec<(Vec<u32>, Vec<f32>)>;
 #[derive(Clone)]
 pub struct SparseMoe {
     /// The router, the shared expert's gate and up projections and its
-    /// sigmoid gate stacked into one projection (one launch per step instead
-    /// of three): output columns `0..E` are the router logits, then `2 Is`
-    /// the shared expert's gate | up, then its gate logit.
-    input_proj: Linear,
+    /// sigmoid gate: their outputs are the router logits, the shared
+    /// expert's gate | up, then its gate logit. Stacked into one projection
+    /// (one launch per step instead of three) when the host quantizes none
+    /// of them.
+    input_proj: Projections,
     experts: Experts,
-    shared_down: Linear,
-    num_experts: usize,
-    shared_intermediate: usize,
+    shared_down: Projection,
     top_k: usize,
     norm_topk_prob: bool,
 }
@@ -75,7 +124,7 @@ impl SparseMoe {
         let inter = cfg.moe_intermediate_size;
         let experts_weights = mlp.pp("experts");
         let stacked = experts_weights.contains("gate_up_proj");
-        let experts = if fused_experts_apply(weights.device(), weights.dtype(), cfg) {
+        let experts = if fused_experts_apply(weights, cfg) {
             let tensors = if stacked {
                 let gate_up =
                     experts_weights.get((cfg.num_experts, 2 * inter, hidden), "gate_up_proj")?;
@@ -103,46 +152,85 @@ impl SparseMoe {
                     .collect::<crate::error::Result<Vec<_>>>()?
             };
             Experts::Fused(Arc::new(load_fused(tensors, weights, cfg)?))
-        } else if stacked {
+        } else if stacked && !weights.host_quantizes() {
             let gate_up =
                 experts_weights.get((cfg.num_experts, 2 * inter, hidden), "gate_up_proj")?;
             let down = experts_weights.get((cfg.num_experts, hidden, inter), "down_proj")?;
             Experts::PerExpert(
                 (0..cfg.num_experts)
                     .map(|e| {
-                        Ok(Expert {
-                            gate_up: Linear::new(gate_up.i(e)?.contiguous()?, None),
-                            down: Linear::new(down.i(e)?.contiguous()?, None),
-                        })
+                        Ok(Expert::full_precision(
+                            &experts_weights.pp(e),
+                            Linear::new(gate_up.i(e)?.contiguous()?, None),
+                            Linear::new(down.i(e)?.contiguous()?, None),
+                            inter,
+                        ))
                     })
                     .collect::<crate::error::Result<Vec<_>>>()?,
             )
         } else {
+            let per_expert = if stacked {
+                split_stacked_experts(&experts_weights, cfg)?
+            } else {
+                experts_weights
+            };
             Experts::PerExpert(
                 (0..cfg.num_experts)
-                    .map(|e| load_split_expert(&experts_weights.pp(e), hidden, inter))
+                    .map(|e| Expert::load(&per_expert.pp(e), hidden, inter))
                     .collect::<crate::error::Result<Vec<_>>>()?,
             )
         };
-        let shared_expert = load_split_expert(
-            &mlp.pp("shared_expert"),
-            hidden,
-            cfg.shared_expert_intermediate_size,
+        let shared_inter = cfg.shared_expert_intermediate_size;
+        // The router and the shared expert's gate stay in full precision, as
+        // in the reference implementations.
+        let input_proj = Projections::load(
+            &mlp,
+            &[
+                ProjectionSpec::full_precision("gate", hidden, cfg.num_experts),
+                ProjectionSpec::quantizable("shared_expert.gate_proj", hidden, shared_inter),
+                ProjectionSpec::quantizable("shared_expert.up_proj", hidden, shared_inter),
+                ProjectionSpec::full_precision("shared_expert_gate", hidden, 1),
+            ],
         )?;
-        let input_proj = Linear::stacked(&[
-            Linear::load(&mlp, "gate", hidden, cfg.num_experts, false)?,
-            shared_expert.gate_up,
-            Linear::load(&mlp, "shared_expert_gate", hidden, 1, false)?,
-        ])?;
         Ok(SparseMoe {
             input_proj,
             experts,
-            shared_down: shared_expert.down,
-            num_experts: cfg.num_experts,
-            shared_intermediate: cfg.shared_expert_intermediate_size,
+            shared_down: Projection::load(
+                &mlp,
+                ProjectionSpec::quantizable("shared_expert.down_proj", shared_inter, hidden),
+            )?,
             top_k: cfg.num_experts_per_tok,
             norm_topk_prob: cfg.norm_topk_prob,
         })
+    }
+
+    /// Its projections the host quantizes or fills, in order.
+    pub fn host_layers_mut<'a>(&'a mut self, out: &mut Vec<&'a mut HostLayer>) {
+        self.input_proj.host_layers_mut(out);
+        if let Experts::PerExpert(experts) = &mut self.experts {
+            for expert in experts {
+                expert.host_layers_mut(out);
+            }
+        }
+        self.shared_down.host_layers_mut(out);
+    }
+
+    /// Its full-precision tensors under their checkpoint names (the experts
+    /// one by one, as `experts.{e}.gate_proj` ...).
+    pub fn checkpoint_tensors(&self, out: &mut Vec<(String, Tensor)>) -> Result<()> {
+        self.input_proj.full_precision_tensors(out)?;
+        match &self.experts {
+            Experts::PerExpert(experts) => {
+                for expert in experts {
+                    expert.checkpoint_tensors(out)?;
+                }
+            }
+            Experts::Fused(_) => candle_core::bail!(
+                "the fused CUDA experts are not exported: they are loaded only when the host \
+                 quantizes nothing"
+            ),
+        }
+        self.shared_down.full_precision_tensors(out)
     }
 
     /// The residual stream after this block: `residual + moe(x)`, where `x`
@@ -154,10 +242,9 @@ impl SparseMoe {
         let flat = x.reshape((rows * seq_len, hidden))?;
         // Views of the stacked projection's columns (contiguous for one token).
         let projected = self.input_proj.forward(&flat)?;
-        let shared_width = 2 * self.shared_intermediate;
-        let router_logits = projected.narrow(1, 0, self.num_experts)?;
-        let shared_gate_up = projected.narrow(1, self.num_experts, shared_width)?;
-        let shared_gate_logit = projected.narrow(1, self.num_experts + shared_width, 1)?;
+        let router_logits = projected.part(0)?;
+        let shared_gate_up = projected.span(1..3)?;
+        let shared_gate_logit = projected.part(3)?;
         let (weights, ids) =
             berrylm_kernels::moe_route(&router_logits, self.top_k, self.norm_topk_prob, dtype)?;
         let routed_out = match &self.experts {
@@ -190,15 +277,51 @@ impl SparseMoe {
 }
 
 /// Whether the experts run in the host's fused MoE kernels: on CUDA, in f16 or
-/// bf16 (their only dtypes), without immediate ISQ (with it the host would pick
-/// another backend), and with `hidden` and the expert width multiples of 64
-/// (the decode GEMM's K tile; the other kernels need multiples of 8).
-fn fused_experts_apply(device: &Device, dtype: DType, cfg: &BerryLmConfig) -> bool {
-    device.is_cuda()
-        && matches!(dtype, DType::F16 | DType::BF16)
+/// bf16 (their only dtypes), when the host quantizes nothing in this load (it
+/// may quantize experts, one by one), and with `hidden` and the expert width
+/// multiples of 64 (the decode GEMM's K tile; the other kernels need
+/// multiples of 8).
+fn fused_experts_apply(weights: &Weights, cfg: &BerryLmConfig) -> bool {
+    weights.device().is_cuda()
+        && matches!(weights.dtype(), DType::F16 | DType::BF16)
         && cfg.hidden_size.is_multiple_of(64)
         && cfg.moe_intermediate_size.is_multiple_of(64)
-        && mistralrs_quant::get_immediate_isq().is_none()
+        && !weights.host_quantizes()
+}
+
+/// The stacked experts (`gate_up_proj` `[E, 2I, H]`, `down_proj` `[E, H, I]`)
+/// read as one-by-one experts (`{e}.gate_proj.weight` ...), the names the
+/// host's ISQ predicates and UQFF files use. Read onto the CPU when the host
+/// quantizes while loading (the experts it quantizes are quantized from
+/// there; the others are read back onto the device).
+fn split_stacked_experts(experts: &Weights, cfg: &BerryLmConfig) -> crate::error::Result<Weights> {
+    let (hidden, inter) = (cfg.hidden_size, cfg.moe_intermediate_size);
+    let source = if mistralrs_quant::get_immediate_isq().is_some() {
+        experts.on_cpu()
+    } else {
+        experts.clone()
+    };
+    let gate_up = source.get((cfg.num_experts, 2 * inter, hidden), "gate_up_proj")?;
+    let down = source.get((cfg.num_experts, hidden, inter), "down_proj")?;
+    // Each in its own storage: the host's quantizers read a weight's storage
+    // from its start, whatever the view's offset.
+    let mut tensors = HashMap::with_capacity(3 * cfg.num_experts);
+    for e in 0..cfg.num_experts {
+        let expert_gate_up = gate_up.i(e)?;
+        tensors.insert(
+            format!("{e}.gate_proj.weight"),
+            expert_gate_up.narrow(0, 0, inter)?.force_contiguous()?,
+        );
+        tensors.insert(
+            format!("{e}.up_proj.weight"),
+            expert_gate_up.narrow(0, inter, inter)?.force_contiguous()?,
+        );
+        tensors.insert(
+            format!("{e}.down_proj.weight"),
+            down.i(e)?.force_contiguous()?,
+        );
+    }
+    Ok(experts.from_tensors(tensors))
 }
 
 /// The host's fused experts from `[gate, up, down]` per expert (`[I, H]`,
@@ -265,17 +388,4 @@ fn run_experts(experts: &[Expert], x: &Tensor, routed: Routed) -> Result<Tensor>
         out = out.index_add(&index, &weighted, 0)?;
     }
     Ok(out)
-}
-
-fn load_split_expert(
-    weights: &Weights,
-    hidden: usize,
-    inter: usize,
-) -> crate::error::Result<Expert> {
-    let gate = weights.pp("gate_proj").get((inter, hidden), "weight")?;
-    let up = weights.pp("up_proj").get((inter, hidden), "weight")?;
-    Ok(Expert {
-        gate_up: Linear::new(Tensor::cat(&[&gate, &up], 0)?, None),
-        down: Linear::load(weights, "down_proj", inter, hidden, false)?,
-    })
 }

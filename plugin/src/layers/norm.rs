@@ -9,6 +9,8 @@ use crate::weights::Weights;
 pub struct OffsetRmsNorm {
     /// `1 + w` in f32.
     scale: Tensor,
+    /// `w` as the checkpoint holds it, under its checkpoint name.
+    weight: (String, Tensor),
     eps: f64,
 }
 
@@ -19,9 +21,19 @@ impl OffsetRmsNorm {
         dim: usize,
         eps: f64,
     ) -> crate::error::Result<OffsetRmsNorm> {
-        let weight = weights.pp(name).get(dim, "weight")?;
+        let module = weights.pp(name);
+        let weight = module.get(dim, "weight")?;
         let scale = (weight.to_dtype(DType::F32)? + 1.0)?;
-        Ok(OffsetRmsNorm { scale, eps })
+        Ok(OffsetRmsNorm {
+            scale,
+            weight: (module.full_name("weight"), weight),
+            eps,
+        })
+    }
+
+    /// Its weight under its checkpoint name.
+    pub fn checkpoint_tensor(&self) -> (String, Tensor) {
+        self.weight.clone()
     }
 
     /// The residual add `x + delta` (rounded to the dtype) and this norm of

@@ -1,0 +1,376 @@
+//! BerryLM's projections (`y = x W^T (+ b)`, one per checkpoint tensor
+//! `{name}.weight`) as the host's in-situ quantization (ISQ) sees them.
+//!
+//! A projection is held in one of two ways:
+//! * in full precision by BerryLM (a [`Linear`]: its exact matmul and the
+//!   CUDA GEMV), always for the projections the reference implementations
+//!   never quantize (the router, the shared expert's gate, KDA's `in_proj_b`,
+//!   `f_down_proj` and `f_up_proj`) and for the others when the host
+//!   quantizes none of them in this load;
+//! * as a layer of the host's quantization machinery
+//!   (`Arc<dyn QuantMethod>`, a [`HostLayer`]) when the host quantizes it
+//!   while loading (its ISQ predicates match the name, `--isq`) or fills it
+//!   after loading (the checkpoint withholds it: a UQFF file holds it).
+//!   `IsqModel::get_layers` lists exactly these.
+//!
+//! Projections of one input form a [`Projections`] group: each run of
+//! adjacent full-precision projections is stacked into one matmul (their
+//! weights' rows in order), so a model the host does not quantize computes
+//! each group in one launch and reads its parts as views of that output.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use candle_core::{Module, Result, Tensor, D};
+use mistralrs_quant::{DummyLayer, QuantMethod, QuantMethodConfig, UnquantLinear};
+
+use crate::layers::linear::Linear;
+use crate::weights::Weights;
+
+/// One projection of a group: its checkpoint name (relative to the group's
+/// weights), its shape and whether the host may quantize it.
+#[derive(Debug, Clone, Copy)]
+pub struct ProjectionSpec<'a> {
+    pub name: &'a str,
+    pub in_dim: usize,
+    pub out_dim: usize,
+    pub bias: bool,
+    /// Whether the host may quantize it (the reference implementations keep
+    /// routers and gates in full precision).
+    pub quantizable: bool,
+}
+
+impl<'a> ProjectionSpec<'a> {
+    /// A projection the host may quantize, without a bias.
+    pub fn quantizable(name: &'a str, in_dim: usize, out_dim: usize) -> ProjectionSpec<'a> {
+        ProjectionSpec {
+            name,
+            in_dim,
+            out_dim,
+            bias: false,
+            quantizable: true,
+        }
+    }
+
+    /// A projection kept in full precision, without a bias.
+    pub fn full_precision(name: &'a str, in_dim: usize, out_dim: usize) -> ProjectionSpec<'a> {
+        ProjectionSpec {
+            quantizable: false,
+            ..ProjectionSpec::quantizable(name, in_dim, out_dim)
+        }
+    }
+
+    pub fn with_bias(self, bias: bool) -> ProjectionSpec<'a> {
+        ProjectionSpec { bias, ..self }
+    }
+}
+
+/// What a host layer holds once loading is over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostLayerState {
+    /// Quantized; its weights take this many bytes (their UQFF serialization).
+    Quantized { bytes: usize },
+    /// Still in full precision (no ISQ type applied to it).
+    FullPrecision,
+    /// Withheld by the checkpoint, to be filled by the host from a UQFF file.
+    Withheld,
+}
+
+/// A projection held by the host's quantization machinery.
+#[derive(Debug, Clone)]
+pub struct HostLayer {
+    layer: Arc<dyn QuantMethod>,
+    out_dim: usize,
+    /// The bytes of its weights (and bias) in the model's dtype.
+    full_precision_bytes: usize,
+}
+
+impl HostLayer {
+    /// The projection `spec` of `weights`: a placeholder the host replaces
+    /// when the checkpoint withholds it, else its weights given to the host's
+    /// immediate ISQ (read onto the CPU first when it quantizes them, as the
+    /// host's own layers are).
+    fn load(weights: &Weights, spec: &ProjectionSpec<'_>) -> crate::error::Result<HostLayer> {
+        let module = weights.pp(spec.name);
+        let dtype_bytes = weights.dtype().size_in_bytes();
+        let full_precision_bytes =
+            (spec.out_dim * spec.in_dim + if spec.bias { spec.out_dim } else { 0 }) * dtype_bytes;
+        let layer: Arc<dyn QuantMethod> = if module.withheld("weight") {
+            Arc::new(DummyLayer::new(QuantMethodConfig::Dummy)?)
+        } else {
+            let quantized_at_load =
+                mistralrs_quant::should_apply_immediate_isq(module.var_builder());
+            let source = if quantized_at_load && !module.device().is_cpu() {
+                module.on_cpu()
+            } else {
+                module.clone()
+            };
+            let weight = source.get((spec.out_dim, spec.in_dim), "weight")?;
+            let bias = if spec.bias {
+                Some(source.get(spec.out_dim, "bias")?)
+            } else {
+                None
+            };
+            let unquantized: Arc<dyn QuantMethod> = Arc::new(UnquantLinear::new(
+                QuantMethodConfig::Unquantized(candle_nn::Linear::new(weight, bias)),
+            )?);
+            mistralrs_quant::apply_immediate_isq(unquantized, module.var_builder().clone())?
+        };
+        Ok(HostLayer {
+            layer,
+            out_dim: spec.out_dim,
+            full_precision_bytes,
+        })
+    }
+
+    /// `x` `[..., in]` -> `[..., out]`: a quantized layer through the host's
+    /// quantized matmul (in the dtype it takes), one still in full precision
+    /// through BerryLM's.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if let Some((weight, bias)) = self.layer.unquant_weight_bias() {
+            return Linear::new(weight, bias).forward(x);
+        }
+        let mut dims = x.dims().to_vec();
+        let rows = x.flatten_to(x.rank() - 2)?.contiguous()?;
+        let y = self.layer.forward_autocast(&rows)?;
+        if let Some(last) = dims.last_mut() {
+            *last = self.out_dim;
+        }
+        y.reshape(dims)
+    }
+
+    /// The layer the host quantizes, serializes and fills.
+    pub fn layer_mut(&mut self) -> &mut Arc<dyn QuantMethod> {
+        &mut self.layer
+    }
+
+    pub fn full_precision_bytes(&self) -> usize {
+        self.full_precision_bytes
+    }
+
+    /// What it holds now (waits for a quantization still running).
+    pub fn state(&self) -> Result<HostLayerState> {
+        if self.layer.name() == "dummy" {
+            return Ok(HostLayerState::Withheld);
+        }
+        if self.layer.unquant_weight_bias().is_some() {
+            return Ok(HostLayerState::FullPrecision);
+        }
+        Ok(HostLayerState::Quantized {
+            bytes: self.layer.serialize()?.len(),
+        })
+    }
+}
+
+/// One matmul of a group: a run of full-precision projections stacked, or a
+/// host layer.
+#[derive(Debug, Clone)]
+enum Segment {
+    Stacked {
+        linear: Linear,
+        /// Each projection's checkpoint name and output width, in row order.
+        parts: Vec<(String, usize)>,
+    },
+    Host(HostLayer),
+}
+
+impl Segment {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Segment::Stacked { linear, .. } => linear.forward(x),
+            Segment::Host(layer) => layer.forward(x),
+        }
+    }
+
+    fn widths(&self) -> Vec<usize> {
+        match self {
+            Segment::Stacked { parts, .. } => parts.iter().map(|(_, width)| *width).collect(),
+            Segment::Host(layer) => vec![layer.out_dim],
+        }
+    }
+}
+
+/// Where a projection's output lies: its segment and its columns there.
+#[derive(Debug, Clone, Copy)]
+struct PartPlace {
+    segment: usize,
+    offset: usize,
+    width: usize,
+}
+
+/// Projections of one input (see the module docs).
+#[derive(Debug, Clone)]
+pub struct Projections {
+    segments: Vec<Segment>,
+    places: Vec<PartPlace>,
+}
+
+impl Projections {
+    /// Loads `specs` from `weights`, each a host layer or in full precision
+    /// (adjacent full-precision ones stacked).
+    pub fn load(weights: &Weights, specs: &[ProjectionSpec<'_>]) -> crate::error::Result<Self> {
+        let mut segments = Vec::new();
+        let mut run: Vec<(String, Linear)> = Vec::new();
+        for spec in specs {
+            let module = weights.pp(spec.name);
+            let host_layer = spec.quantizable
+                && (module.withheld("weight")
+                    || mistralrs_quant::should_apply_immediate_isq(module.var_builder()));
+            if host_layer {
+                segments.extend(stacked_segment(std::mem::take(&mut run))?);
+                segments.push(Segment::Host(HostLayer::load(weights, spec)?));
+            } else {
+                let linear =
+                    Linear::load(weights, spec.name, spec.in_dim, spec.out_dim, spec.bias)?;
+                run.push((weights.full_name(spec.name), linear));
+            }
+        }
+        segments.extend(stacked_segment(run)?);
+        Ok(Projections::from_segments(segments))
+    }
+
+    /// Full-precision projections already stacked in `linear`: `parts` are
+    /// their checkpoint names and output widths, in row order.
+    pub fn stacked(linear: Linear, parts: Vec<(String, usize)>) -> Projections {
+        Projections::from_segments(vec![Segment::Stacked { linear, parts }])
+    }
+
+    fn from_segments(segments: Vec<Segment>) -> Projections {
+        let mut places = Vec::new();
+        for (segment, widths) in segments.iter().map(Segment::widths).enumerate() {
+            let mut offset = 0;
+            for width in widths {
+                places.push(PartPlace {
+                    segment,
+                    offset,
+                    width,
+                });
+                offset += width;
+            }
+        }
+        Projections { segments, places }
+    }
+
+    /// Every projection of `x` `[..., in]`.
+    pub fn forward(&self, x: &Tensor) -> Result<Projected<'_>> {
+        let outputs = self
+            .segments
+            .iter()
+            .map(|segment| segment.forward(x))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Projected {
+            outputs,
+            places: &self.places,
+        })
+    }
+
+    /// The host layers, in order.
+    pub fn host_layers_mut<'a>(&'a mut self, out: &mut Vec<&'a mut HostLayer>) {
+        for segment in &mut self.segments {
+            if let Segment::Host(layer) = segment {
+                out.push(layer);
+            }
+        }
+    }
+
+    /// The full-precision projections' weights (and biases) under their
+    /// checkpoint names.
+    pub fn full_precision_tensors(&self, out: &mut Vec<(String, Tensor)>) -> Result<()> {
+        for segment in &self.segments {
+            let Segment::Stacked { linear, parts } = segment else {
+                continue;
+            };
+            let mut row = 0;
+            for (name, width) in parts {
+                out.push((
+                    format!("{name}.weight"),
+                    linear.weight().narrow(0, row, *width)?,
+                ));
+                if let Some(bias) = linear.bias() {
+                    out.push((format!("{name}.bias"), bias.narrow(0, row, *width)?));
+                }
+                row += width;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A run of full-precision projections as one segment (none when the run is empty).
+fn stacked_segment(run: Vec<(String, Linear)>) -> Result<Option<Segment>> {
+    let linear = match run.as_slice() {
+        [] => return Ok(None),
+        [(_, single)] => single.clone(),
+        many => Linear::stacked(
+            &many
+                .iter()
+                .map(|(_, linear)| linear.clone())
+                .collect::<Vec<_>>(),
+        )?,
+    };
+    let parts = run
+        .into_iter()
+        .map(|(name, linear)| (name, linear.out_dim()))
+        .collect();
+    Ok(Some(Segment::Stacked { linear, parts }))
+}
+
+/// The outputs of a [`Projections`] group for one input.
+pub struct Projected<'a> {
+    outputs: Vec<Tensor>,
+    places: &'a [PartPlace],
+}
+
+impl Projected<'_> {
+    /// Projection `index`'s output (a view of its segment's output).
+    pub fn part(&self, index: usize) -> Result<Tensor> {
+        let place = self.places[index];
+        self.outputs[place.segment].narrow(D::Minus1, place.offset, place.width)
+    }
+
+    /// The outputs of projections `parts` side by side: a view when one
+    /// matmul computed them all, else their concatenation.
+    pub fn span(&self, parts: Range<usize>) -> Result<Tensor> {
+        let places = &self.places[parts.clone()];
+        if let [first, ..] = places {
+            if places.iter().all(|place| place.segment == first.segment) {
+                let width = places.iter().map(|place| place.width).sum();
+                return self.outputs[first.segment].narrow(D::Minus1, first.offset, width);
+            }
+        }
+        let outputs = parts
+            .map(|index| self.part(index))
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::cat(&outputs, D::Minus1)
+    }
+}
+
+/// A single projection: a group of one.
+#[derive(Debug, Clone)]
+pub struct Projection(Projections);
+
+impl Projection {
+    pub fn load(weights: &Weights, spec: ProjectionSpec<'_>) -> crate::error::Result<Projection> {
+        Ok(Projection(Projections::load(weights, &[spec])?))
+    }
+
+    /// A full-precision projection held in `linear`, named `name` in the checkpoint.
+    pub fn full_precision(name: String, linear: Linear) -> Projection {
+        let width = linear.out_dim();
+        Projection(Projections::stacked(linear, vec![(name, width)]))
+    }
+
+    pub fn host_layers_mut<'a>(&'a mut self, out: &mut Vec<&'a mut HostLayer>) {
+        self.0.host_layers_mut(out)
+    }
+
+    pub fn full_precision_tensors(&self, out: &mut Vec<(String, Tensor)>) -> Result<()> {
+        self.0.full_precision_tensors(out)
+    }
+}
+
+impl Module for Projection {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.0.forward(x)?.part(0)
+    }
+}

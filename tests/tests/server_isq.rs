@@ -1,0 +1,314 @@
+//! In-situ quantization through the real server: the bundled model served
+//! with `--isq q8_0` quantizes exactly the projections BerryLM lets the host
+//! quantize (counted from the config, sized from the checkpoint) and answers
+//! the golden chats (reasoning, tool calls with typed arguments, final
+//! answers) as the unquantized model does, streamed and not; MoQE quantizes
+//! the experts and the LM head only; `mistralrs quantize` writes a UQFF file
+//! that `serve --from-uqff` loads into the same tokens and log-probabilities
+//! as `--isq q8_0`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result};
+use berrylm_tests::chat::{
+    arguments, assert_golden_weather_call, chat_answer, golden_chat_request,
+};
+use berrylm_tests::server::Server;
+use berrylm_tests::{host_binary, Fixture};
+use candle_core::safetensors::MmapedSafetensors;
+use serde_json::{json, Value};
+
+/// Bytes of q8_0 data per 32 weights (32 int8 and an f16 scale).
+const Q8_0_BLOCK_BYTES: usize = 34;
+const Q8_0_BLOCK: usize = 32;
+/// An upper bound on the header UQFF puts before a quantized tensor's data.
+const UQFF_HEADER_BYTES: usize = 64;
+
+/// Whether the host quantizes a checkpoint tensor by default (docs/usage.md):
+/// the attention and KDA projections but β's and the forget gate's, the
+/// routed and shared experts, the LM head.
+fn quantized_by_default(name: &str) -> bool {
+    let parts: Vec<&str> = name.split('.').collect();
+    match parts.as_slice() {
+        ["lm_head", _] => true,
+        [.., "self_attn", projection, _] => {
+            matches!(*projection, "q_proj" | "k_proj" | "v_proj" | "o_proj")
+        }
+        [.., "linear_attn", projection, _] => {
+            matches!(*projection, "in_proj_qkv" | "in_proj_z" | "out_proj")
+        }
+        [.., "shared_expert", _, _] => true,
+        _ => parts.contains(&"experts"),
+    }
+}
+
+/// The checkpoint's tensors the model reads: name and element count.
+fn checkpoint_tensors(model_dir: &Path) -> Result<Vec<(String, usize)>> {
+    let files: Vec<PathBuf> = std::fs::read_dir(model_dir)?
+        .filter_map(|entry| entry.ok().map(|entry| entry.path()))
+        .filter(|path| path.extension().is_some_and(|ext| ext == "safetensors"))
+        .collect();
+    // SAFETY: the fixture files are not modified while they are mapped.
+    let tensors = unsafe { MmapedSafetensors::multi(&files)? };
+    Ok(tensors
+        .tensors()
+        .into_iter()
+        .filter(|(name, _)| !name.starts_with("mtp."))
+        .map(|(name, view)| (name, view.shape().iter().product()))
+        .collect())
+}
+
+/// Projections the host quantizes per the config: `(default, moqe)`. An
+/// attention layer has q, k, v and o; a KDA layer `in_proj_qkv`, `in_proj_z`
+/// and `out_proj`; every layer 3 per routed expert and 3 for the shared
+/// expert; the LM head 1.
+fn quantized_projections(fixture: &Fixture) -> Result<(usize, usize)> {
+    let config: Value = serde_json::from_str(&std::fs::read_to_string(
+        fixture.model_dir.join("config.json"),
+    )?)?;
+    let experts = config["num_experts"].as_u64().context("num_experts")? as usize;
+    let layer_types = config["layer_types"].as_array().context("layer_types")?;
+    let lm_head = usize::from(config["tie_word_embeddings"] != json!(true));
+    let moe = layer_types.len() * (3 * experts + 3);
+    let mixers: usize = layer_types
+        .iter()
+        .map(|kind| if kind == "full_attention" { 4 } else { 3 })
+        .sum();
+    Ok((lm_head + mixers + moe, lm_head + moe))
+}
+
+/// The numbers of BerryLM's quantization line in the server log:
+/// `(quantized, projections, bytes, full-precision bytes)`.
+fn quantization_line(log: &str) -> Result<(usize, usize, usize, usize)> {
+    const MARKER: &str = "BerryLM: in-situ quantization quantized";
+    let line = log
+        .lines()
+        .find_map(|line| line.split_once(MARKER).map(|(_, rest)| rest))
+        .with_context(|| format!("no quantization line in the log:\n{log}"))?;
+    // Whole numbers only (the MiB figures have a decimal point).
+    let numbers: Vec<usize> = line
+        .split(|c: char| !c.is_ascii_digit() && c != '.')
+        .filter(|word| !word.is_empty() && !word.contains('.'))
+        .filter_map(|word| word.parse().ok())
+        .collect();
+    match numbers.as_slice() {
+        [quantized, projections, bytes, full_precision] => {
+            Ok((*quantized, *projections, *bytes, *full_precision))
+        }
+        _ => anyhow::bail!("unexpected quantization line: {line}"),
+    }
+}
+
+/// The golden chats (arithmetic, greeting, a tool call with thinking and one
+/// without, an answer from a tool result), streamed and not.
+fn golden_chats(fixture: &Fixture) -> Result<Vec<(String, Value)>> {
+    let sequences = fixture.facts["sequences"]
+        .as_array()
+        .context("golden sequences")?;
+    let mut chats = Vec::new();
+    for (index, sequence) in sequences.iter().enumerate() {
+        for stream in [false, true] {
+            chats.push((
+                format!("golden sequence {index}, stream {stream}"),
+                golden_chat_request(sequence, 128, stream)?,
+            ));
+        }
+    }
+    Ok(chats)
+}
+
+/// An answer with its tool calls' arguments parsed (call ids are random).
+fn comparable(message: &Value, finish_reason: &str) -> Value {
+    let calls: Vec<Value> = message["tool_calls"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|call| json!({"name": call["name"], "arguments": arguments(&call["arguments"])}))
+        .collect();
+    json!({
+        "reasoning_content": message["reasoning_content"],
+        "content": message["content"],
+        "tool_calls": calls,
+        "finish_reason": finish_reason,
+    })
+}
+
+fn answers(server: &Server, chats: &[(String, Value)]) -> Result<Vec<Value>> {
+    chats
+        .iter()
+        .map(|(context, request)| {
+            let (message, finish_reason) =
+                chat_answer(server, request).with_context(|| context.clone())?;
+            Ok(comparable(&message, &finish_reason))
+        })
+        .collect()
+}
+
+#[test]
+fn q8_0_quantizes_the_projections_and_answers_as_the_unquantized_model() -> Result<()> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let chats = golden_chats(&fixture)?;
+    let expected = {
+        let server = Server::start(&fixture.model_dir, &["--dtype", "f32"])?;
+        answers(&server, &chats)?
+    };
+    // The golden chats hold tool calls with typed arguments and final answers.
+    assert!(
+        expected
+            .iter()
+            .any(|answer| answer["tool_calls"][0]["arguments"]["city"].is_string()),
+        "{expected:?}"
+    );
+
+    let server = Server::start(&fixture.model_dir, &["--dtype", "f32", "--isq", "q8_0"])?;
+    let (quantized, projections, bytes, full_precision_bytes) = quantization_line(&server.log())?;
+    let (expected_projections, _) = quantized_projections(&fixture)?;
+    assert_eq!(
+        (quantized, projections),
+        (expected_projections, expected_projections)
+    );
+    let tensors = checkpoint_tensors(&fixture.model_dir)?;
+    let total: usize = tensors.iter().map(|(_, count)| count).sum();
+    assert_eq!(full_precision_bytes, 4 * total, "f32 weights");
+    let kept: usize = tensors
+        .iter()
+        .filter(|(name, _)| !quantized_by_default(name))
+        .map(|(_, count)| count)
+        .sum();
+    let q8_0_data = (total - kept) / Q8_0_BLOCK * Q8_0_BLOCK_BYTES;
+    let least = 4 * kept + q8_0_data;
+    assert!(
+        (least..=least + UQFF_HEADER_BYTES * quantized).contains(&bytes),
+        "{bytes} bytes after quantization, expected {least} and at most a header per tensor more"
+    );
+
+    for ((context, _), (want, got)) in chats
+        .iter()
+        .zip(expected.iter().zip(answers(&server, &chats)?))
+    {
+        assert_eq!(&got, want, "{context}");
+    }
+    Ok(())
+}
+
+#[test]
+fn moqe_quantizes_the_experts_and_the_lm_head_only() -> Result<()> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let server = Server::start(
+        &fixture.model_dir,
+        &[
+            "--dtype",
+            "f32",
+            "--isq",
+            "q8_0",
+            "--isq-organization",
+            "moqe",
+        ],
+    )?;
+    let (quantized, projections, _, _) = quantization_line(&server.log())?;
+    let (_, expected_projections) = quantized_projections(&fixture)?;
+    assert_eq!(
+        (quantized, projections),
+        (expected_projections, expected_projections)
+    );
+    let weather = golden_chat_request(&fixture.facts["sequences"][2], 128, false)?;
+    let (message, finish_reason) = chat_answer(&server, &weather)?;
+    assert_golden_weather_call(&message, &finish_reason);
+    Ok(())
+}
+
+/// A folder under the system's temporary folder, removed when dropped.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(name: &str) -> Result<TempDir> {
+        let path = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
+        if path.exists() {
+            std::fs::remove_dir_all(&path)?;
+        }
+        std::fs::create_dir_all(&path)?;
+        Ok(TempDir(path))
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Greedy answers with every token's log-probability and top 3.
+fn tokens_and_logprobs(server: &Server, chats: &[(String, Value)]) -> Result<Vec<Value>> {
+    chats
+        .iter()
+        .filter(|(_, request)| request["stream"] == json!(false))
+        .map(|(context, request)| {
+            let mut request = request.clone();
+            request["logprobs"] = json!(true);
+            request["top_logprobs"] = json!(3);
+            let (status, response) = server.post("/v1/chat/completions", &request)?;
+            anyhow::ensure!(status == 200, "{context}: HTTP {status}: {response}");
+            let content = &response["choices"][0]["logprobs"]["content"];
+            anyhow::ensure!(
+                content.as_array().is_some_and(|tokens| !tokens.is_empty()),
+                "{context}: no logprobs: {response}"
+            );
+            Ok(content.clone())
+        })
+        .collect()
+}
+
+#[test]
+fn a_uqff_file_from_mistralrs_quantize_serves_the_tokens_of_isq() -> Result<()> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let out = TempDir::new("berrylm-uqff")?;
+    let quantize = Command::new(host_binary()?)
+        .args(["quantize", "-m"])
+        .arg(&fixture.model_dir)
+        .args(["--isq", "q8_0", "--dtype", "f32", "-o"])
+        .arg(out.0.join("q8_0.uqff"))
+        .output()
+        .context("running mistralrs quantize")?;
+    assert!(
+        quantize.status.success(),
+        "mistralrs quantize failed:\n{}\n{}",
+        String::from_utf8_lossy(&quantize.stdout),
+        String::from_utf8_lossy(&quantize.stderr)
+    );
+
+    // The residual holds exactly the tensors the host does not quantize.
+    // SAFETY: the file is not modified while it is mapped.
+    let residual = unsafe { MmapedSafetensors::new(out.0.join("residual.safetensors"))? };
+    let mut held: Vec<String> = residual
+        .tensors()
+        .into_iter()
+        .map(|(name, _)| name)
+        .collect();
+    let mut kept: Vec<String> = checkpoint_tensors(&fixture.model_dir)?
+        .into_iter()
+        .map(|(name, _)| name)
+        .filter(|name| !quantized_by_default(name))
+        .collect();
+    held.sort();
+    kept.sort();
+    assert_eq!(held, kept);
+
+    let chats = golden_chats(&fixture)?;
+    let from_uqff = {
+        let server = Server::start(&out.0, &["--dtype", "f32", "--from-uqff", "q8_0-0.uqff"])?;
+        let (expected_projections, _) = quantized_projections(&fixture)?;
+        assert!(
+            server.log().contains(&format!(
+                "BerryLM: {expected_projections} of its {expected_projections} quantizable \
+                 projections come from the UQFF file"
+            )),
+            "{}",
+            server.log()
+        );
+        tokens_and_logprobs(&server, &chats)?
+    };
+    let server = Server::start(&fixture.model_dir, &["--dtype", "f32", "--isq", "q8_0"])?;
+    assert_eq!(from_uqff, tokens_and_logprobs(&server, &chats)?);
+    Ok(())
+}
