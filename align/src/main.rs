@@ -4,22 +4,15 @@
 //! free-running greedy through the host engine), next to the reference's own
 //! bfloat16 noise. See docs/alignment.md.
 
-mod args;
-mod corpus;
-mod dump;
-mod modes;
-mod report;
-mod stats;
-
 use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 
+use berrylm_align::args::Args;
+use berrylm_align::modes::Golden;
+use berrylm_align::report::{Report, Run};
+use berrylm_align::{corpus, dump, modes};
 use clap::Parser;
-
-use crate::args::Args;
-use crate::modes::Golden;
-use crate::report::{Report, Run};
 
 #[tokio::main]
 async fn main() -> ExitCode {

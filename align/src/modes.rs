@@ -248,7 +248,13 @@ pub struct Greedy {
     pub driver_matched: Option<usize>,
 }
 
-async fn generate(model: &mistralrs::Model, prompt: Vec<u32>, max_len: usize) -> Result<String> {
+/// The text of the host engine's greedy completion of `prompt` (token ids),
+/// at most `max_len` tokens.
+pub async fn greedy_completion(
+    model: &mistralrs::Model,
+    prompt: Vec<u32>,
+    max_len: usize,
+) -> Result<String> {
     let (tx, mut rx) = tokio::sync::mpsc::channel(1);
     let mut sampling = SamplingParams::deterministic();
     sampling.max_len = Some(max_len);
@@ -310,7 +316,7 @@ pub async fn engine_greedy(
         .build()
         .await
         .with_context(|| format!("loading {} in the host engine", model_dir.display()))?;
-    let text = generate(&model, golden.prompt_ids.clone(), total.max(1)).await?;
+    let text = greedy_completion(&model, golden.prompt_ids.clone(), total.max(1)).await?;
 
     let detokenize = |ids: &[u32]| model.detokenize(ids.to_vec(), false);
     let reference_text = detokenize(&reference).await?;

@@ -3,7 +3,7 @@
 use candle_core::{DType, Tensor};
 
 use crate::{
-    expect_device, expect_dim, float_dims, invalid_argument, tensor_from_f32, to_f32_vec, Result,
+    ensure, expect_dim, expect_on_device, float_dims, tensor_from_f32, to_f32_vec, Result,
 };
 
 const OP: &str = "kda_gate";
@@ -30,36 +30,8 @@ pub fn kda_gate(
     num_heads: usize,
     lower_bound: Option<f32>,
 ) -> Result<Tensor> {
-    let [tokens, width] = float_dims::<2>(OP, "raw", raw)?;
-    let [a_log_len] = float_dims::<1>(OP, "a_log", a_log)?;
-    let [dt_bias_len] = float_dims::<1>(OP, "dt_bias", dt_bias)?;
-    if num_heads == 0 || width == 0 || width % num_heads != 0 {
-        return Err(invalid_argument(
-            OP,
-            "num_heads",
-            format!("{num_heads} must be positive and divide the positive width {width} of `raw`"),
-        ));
-    }
-    expect_dim(OP, "a_log", "length", a_log_len, num_heads)?;
-    expect_dim(OP, "dt_bias", "length", dt_bias_len, width)?;
-    let device = raw.device();
-    expect_device(OP, "a_log", a_log, device)?;
-    expect_device(OP, "dt_bias", dt_bias, device)?;
-    let args = KdaGateArgs {
-        raw,
-        a_log,
-        dt_bias,
-        tokens,
-        num_heads,
-        head_dim: width / num_heads,
-        lower_bound,
-    };
-    on_device!(
-        OP,
-        device,
-        cpu_kda_gate(&args),
-        crate::cuda::kda_gate(&args),
-    )
+    let args = KdaGateArgs::validate(raw, a_log, dt_bias, num_heads, lower_bound)?;
+    on_device!(OP, raw.device(), args.cpu(), args.cuda())
 }
 
 /// The validated arguments of a [`kda_gate`] call and its sizes: `raw`
@@ -74,24 +46,56 @@ pub(crate) struct KdaGateArgs<'a> {
     pub lower_bound: Option<f32>,
 }
 
-fn cpu_kda_gate(args: &KdaGateArgs<'_>) -> Result<Tensor> {
-    let (tokens, num_heads, head_dim) = (args.tokens, args.num_heads, args.head_dim);
-    let raw = to_f32_vec(args.raw)?;
-    let a_log = to_f32_vec(args.a_log)?;
-    let dt_bias = to_f32_vec(args.dt_bias)?;
-    let width = num_heads * head_dim;
-    let mut gate = Vec::with_capacity(raw.len());
-    for token_row in raw.chunks_exact(width) {
-        for (channel, &value) in token_row.iter().enumerate() {
-            let decay_rate = -a_log[channel / head_dim].exp();
-            let unclamped = decay_rate * softplus(value + dt_bias[channel]);
-            gate.push(match args.lower_bound {
-                Some(bound) if unclamped < bound => bound,
-                _ => unclamped,
-            });
-        }
+impl<'a> KdaGateArgs<'a> {
+    /// Checks the arguments of a [`kda_gate`] call and derives its sizes.
+    fn validate(
+        raw: &'a Tensor,
+        a_log: &'a Tensor,
+        dt_bias: &'a Tensor,
+        num_heads: usize,
+        lower_bound: Option<f32>,
+    ) -> Result<Self> {
+        let [tokens, width] = float_dims::<2>(OP, "raw", raw)?;
+        let [a_log_len] = float_dims::<1>(OP, "a_log", a_log)?;
+        let [dt_bias_len] = float_dims::<1>(OP, "dt_bias", dt_bias)?;
+        let divides = num_heads > 0 && width > 0 && width % num_heads == 0;
+        ensure(divides, OP, "num_heads", || {
+            format!("{num_heads} must be positive and divide the positive width {width} of `raw`")
+        })?;
+        expect_dim(OP, "a_log", "length", a_log_len, num_heads)?;
+        expect_dim(OP, "dt_bias", "length", dt_bias_len, width)?;
+        expect_on_device(OP, raw.device(), [("a_log", a_log), ("dt_bias", dt_bias)])?;
+        Ok(Self {
+            raw,
+            a_log,
+            dt_bias,
+            tokens,
+            num_heads,
+            head_dim: width / num_heads,
+            lower_bound,
+        })
     }
-    tensor_from_f32(gate, &[tokens, num_heads, head_dim], DType::F32)
+
+    /// The CPU reference.
+    fn cpu(&self) -> Result<Tensor> {
+        let (tokens, num_heads, head_dim) = (self.tokens, self.num_heads, self.head_dim);
+        let raw = to_f32_vec(self.raw)?;
+        let a_log = to_f32_vec(self.a_log)?;
+        let dt_bias = to_f32_vec(self.dt_bias)?;
+        let width = num_heads * head_dim;
+        let mut gate = Vec::with_capacity(raw.len());
+        for token_row in raw.chunks_exact(width) {
+            for (channel, &value) in token_row.iter().enumerate() {
+                let decay_rate = -a_log[channel / head_dim].exp();
+                let unclamped = decay_rate * softplus(value + dt_bias[channel]);
+                gate.push(match self.lower_bound {
+                    Some(bound) if unclamped < bound => bound,
+                    _ => unclamped,
+                });
+            }
+        }
+        tensor_from_f32(gate, &[tokens, num_heads, head_dim], DType::F32)
+    }
 }
 
 /// `ln(1 + exp(x))`, or `x` itself above [`SOFTPLUS_THRESHOLD`].

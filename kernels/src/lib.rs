@@ -26,11 +26,13 @@
 //!
 //! Every function validates its arguments (rank, sizes, floating-point
 //! dtypes, one device for all tensors) and then dispatches on the device of
-//! its tensors. The CPU is always implemented. With the `cuda` feature, CUDA
-//! tensors run CUDA kernels (`src/cuda/*.cu`, see `CUDA.md`) that compute the
-//! same results with the same rounding points, launched on candle's stream of
-//! the device. Any other device yields [`KernelError::UnsupportedDevice`]
-//! naming the operation.
+//! its tensors. Most validate into a struct of the checked tensors and sizes
+//! (`{Op}Args::validate`) whose `cpu` method is the CPU reference and whose
+//! `cuda` method launches the kernels. The CPU is always implemented. With
+//! the `cuda` feature, CUDA tensors run CUDA kernels (`src/cuda/*.cu`, see
+//! `CUDA.md`) that compute the same results with the same rounding points,
+//! launched on candle's stream of the device. Any other device yields
+//! [`KernelError::UnsupportedDevice`] naming the operation.
 //!
 //! Inputs may be `f32`, `bf16` or `f16`. Arithmetic
 //! and accumulation happen in `f32`; where the PyTorch reference rounds an
@@ -249,6 +251,38 @@ fn expect_device(
             device.location()
         )
     })
+}
+
+/// Fails unless every tensor of `tensors`, each with its argument's name,
+/// lives on `device`.
+fn expect_on_device<const N: usize>(
+    op: &'static str,
+    device: &Device,
+    tensors: [(&'static str, &Tensor); N],
+) -> Result<()> {
+    tensors
+        .into_iter()
+        .try_for_each(|(arg, tensor)| expect_device(op, arg, tensor, device))
+}
+
+/// Fails unless `tensor` has shape `dims` and the dtype and device of
+/// `like`, the argument named `like_arg`.
+fn expect_like(
+    op: &'static str,
+    arg: &'static str,
+    tensor: &Tensor,
+    dims: &[usize],
+    (like_arg, like): (&str, &Tensor),
+) -> Result<()> {
+    expect_shape(op, arg, tensor.dims(), dims, "the expected")?;
+    ensure(tensor.dtype() == like.dtype(), op, arg, || {
+        format!(
+            "dtype {:?} differs from the dtype of `{like_arg}` {:?}",
+            tensor.dtype(),
+            like.dtype()
+        )
+    })?;
+    expect_device(op, arg, tensor, like.device())
 }
 
 /// Copies `tensor` into a row-major `Vec<f32>` (exact for every supported

@@ -5,8 +5,8 @@
 use candle_core::Tensor;
 
 use crate::{
-    expect_device, expect_float_dtype, expect_same_dtype, expect_shape, invalid_argument,
-    round_to_dtype, silu, tensor_from_f32, to_f32_vec, Result,
+    expect_float_dtype, expect_like, float_dims, invalid_argument, round_to_dtype, silu,
+    tensor_from_f32, to_f32_vec, Result,
 };
 
 const SWIGLU_OP: &str = "swiglu";
@@ -93,41 +93,8 @@ pub fn add_moe_output(
     shared: &Tensor,
     gate_logit: &Tensor,
 ) -> Result<Tensor> {
-    let dtype = residual.dtype();
-    expect_float_dtype(ADD_MOE_OP, "residual", dtype)?;
-    let (rows, hidden) = match residual.dims() {
-        &[rows, hidden] => (rows, hidden),
-        dims => {
-            return Err(invalid_argument(
-                ADD_MOE_OP,
-                "residual",
-                format!("expected rank 2, got shape {dims:?}"),
-            ))
-        }
-    };
-    let device = residual.device();
-    for (arg, tensor, dims) in [
-        ("routed", routed, [rows, hidden]),
-        ("shared", shared, [rows, hidden]),
-        ("gate_logit", gate_logit, [rows, 1]),
-    ] {
-        expect_shape(ADD_MOE_OP, arg, tensor.dims(), &dims, "the expected")?;
-        expect_same_dtype(ADD_MOE_OP, arg, tensor, dtype, "the residual's")?;
-        expect_device(ADD_MOE_OP, arg, tensor, device)?;
-    }
-    let args = AddMoeOutputArgs {
-        residual,
-        routed,
-        shared,
-        gate_logit,
-        hidden,
-    };
-    on_device!(
-        ADD_MOE_OP,
-        device,
-        cpu_add_moe_output(&args),
-        crate::cuda::add_moe_output(&args),
-    )
+    let args = AddMoeOutputArgs::validate(residual, routed, shared, gate_logit)?;
+    on_device!(ADD_MOE_OP, residual.device(), args.cpu(), args.cuda())
 }
 
 /// The validated arguments of an [`add_moe_output`] call: all four of one
@@ -140,35 +107,63 @@ pub(crate) struct AddMoeOutputArgs<'a> {
     pub hidden: usize,
 }
 
-fn cpu_add_moe_output(args: &AddMoeOutputArgs<'_>) -> Result<Tensor> {
-    let dtype = args.residual.dtype();
-    let gates = round_to_dtype(
-        to_f32_vec(args.gate_logit)?
+impl<'a> AddMoeOutputArgs<'a> {
+    /// Checks the arguments of an [`add_moe_output`] call and reads its
+    /// hidden size.
+    fn validate(
+        residual: &'a Tensor,
+        routed: &'a Tensor,
+        shared: &'a Tensor,
+        gate_logit: &'a Tensor,
+    ) -> Result<Self> {
+        let [rows, hidden] = float_dims::<2>(ADD_MOE_OP, "residual", residual)?;
+        for (arg, tensor, dims) in [
+            ("routed", routed, [rows, hidden]),
+            ("shared", shared, [rows, hidden]),
+            ("gate_logit", gate_logit, [rows, 1]),
+        ] {
+            expect_like(ADD_MOE_OP, arg, tensor, &dims, ("residual", residual))?;
+        }
+        Ok(Self {
+            residual,
+            routed,
+            shared,
+            gate_logit,
+            hidden,
+        })
+    }
+
+    /// The CPU reference.
+    fn cpu(&self) -> Result<Tensor> {
+        let dtype = self.residual.dtype();
+        let gates = round_to_dtype(
+            to_f32_vec(self.gate_logit)?
+                .into_iter()
+                .map(|logit| 1.0 / (1.0 + (-logit).exp()))
+                .collect(),
+            dtype,
+        )?;
+        let gated = round_to_dtype(
+            to_f32_vec(self.shared)?
+                .chunks_exact(self.hidden)
+                .zip(&gates)
+                .flat_map(|(row, &gate)| row.iter().map(move |&value| gate * value))
+                .collect(),
+            dtype,
+        )?;
+        let moe = round_to_dtype(
+            to_f32_vec(self.routed)?
+                .into_iter()
+                .zip(gated)
+                .map(|(routed, shared)| routed + shared)
+                .collect(),
+            dtype,
+        )?;
+        let out = to_f32_vec(self.residual)?
             .into_iter()
-            .map(|logit| 1.0 / (1.0 + (-logit).exp()))
-            .collect(),
-        dtype,
-    )?;
-    let gated = round_to_dtype(
-        to_f32_vec(args.shared)?
-            .chunks_exact(args.hidden)
-            .zip(&gates)
-            .flat_map(|(row, &gate)| row.iter().map(move |&value| gate * value))
-            .collect(),
-        dtype,
-    )?;
-    let moe = round_to_dtype(
-        to_f32_vec(args.routed)?
-            .into_iter()
-            .zip(gated)
-            .map(|(routed, shared)| routed + shared)
-            .collect(),
-        dtype,
-    )?;
-    let out = to_f32_vec(args.residual)?
-        .into_iter()
-        .zip(moe)
-        .map(|(residual, moe)| residual + moe)
-        .collect();
-    tensor_from_f32(out, args.residual.dims(), dtype)
+            .zip(moe)
+            .map(|(residual, moe)| residual + moe)
+            .collect();
+        tensor_from_f32(out, self.residual.dims(), dtype)
+    }
 }

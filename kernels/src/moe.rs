@@ -7,8 +7,8 @@ use std::collections::HashMap;
 use candle_core::{DType, IndexOp, Tensor};
 
 use crate::{
-    expect_device, expect_same_dtype, float_dims, invalid_argument, round_to_dtype, silu,
-    tensor_from_f32, to_f32_vec, Result,
+    ensure, expect_on_device, expect_same_dtype, float_dims, invalid_argument, round_to_dtype,
+    silu, tensor_from_f32, to_f32_vec, Result,
 };
 
 const OP: &str = "moe_experts";
@@ -116,60 +116,47 @@ pub fn moe_experts_with(
     let [weight_rows, top_k] = float_dims::<2>(OP, "weights", weights)?;
     let [experts, _, _] = float_dims::<3>(OP, "gate_up", gate_up)?;
     let [_, _, inter] = float_dims::<3>(OP, "down", down)?;
-    if ids.dtype() != DType::U32 || ids.dims() != [tokens, top_k] {
-        return Err(invalid_argument(
-            OP,
-            "ids",
+    ensure(
+        ids.dtype() == DType::U32 && ids.dims() == [tokens, top_k],
+        OP,
+        "ids",
+        || {
             format!(
                 "expected u32 [{tokens}, {top_k}], got {:?} {:?}",
                 ids.dtype(),
                 ids.dims()
-            ),
-        ));
-    }
-    if weight_rows != tokens {
-        return Err(invalid_argument(
-            OP,
-            "weights",
-            format!("{weight_rows} rows for {tokens} tokens"),
-        ));
-    }
+            )
+        },
+    )?;
+    ensure(weight_rows == tokens, OP, "weights", || {
+        format!("{weight_rows} rows for {tokens} tokens")
+    })?;
     let expected = [
-        (
-            "gate_up",
-            gate_up.dims().to_vec(),
-            vec![experts, 2 * inter, hidden],
-        ),
-        ("down", down.dims().to_vec(), vec![experts, hidden, inter]),
+        ("gate_up", gate_up, [experts, 2 * inter, hidden]),
+        ("down", down, [experts, hidden, inter]),
     ];
-    for (arg, got, want) in expected {
-        if got != want {
-            return Err(invalid_argument(
-                OP,
-                arg,
-                format!("shape {got:?}, expected {want:?} (E, 2I, H from the inputs)"),
-            ));
-        }
+    for (arg, tensor, want) in expected {
+        ensure(tensor.dims() == want, OP, arg, || {
+            format!(
+                "shape {:?}, expected {want:?} (E, 2I, H from the inputs)",
+                tensor.dims()
+            )
+        })?;
     }
-    for (arg, tensor) in [("gate_up", gate_up), ("down", down)] {
+    for (arg, tensor, _) in expected {
         expect_same_dtype(OP, arg, tensor, x.dtype(), "the activations'")?;
     }
     let device = x.device();
-    for (arg, tensor) in [
+    let others = [
         ("weights", weights),
         ("ids", ids),
         ("gate_up", gate_up),
         ("down", down),
-    ] {
-        expect_device(OP, arg, tensor, device)?;
-    }
-    if inter == 0 || experts == 0 || top_k == 0 {
-        return Err(invalid_argument(
-            OP,
-            "gate_up",
-            format!("empty experts: E {experts}, I {inter}, k {top_k}"),
-        ));
-    }
+    ];
+    expect_on_device(OP, device, others)?;
+    ensure(inter > 0 && experts > 0 && top_k > 0, OP, "gate_up", || {
+        format!("empty experts: E {experts}, I {inter}, k {top_k}")
+    })?;
     let args = MoeExpertsArgs {
         x,
         weights,

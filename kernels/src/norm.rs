@@ -5,8 +5,8 @@
 use candle_core::{DType, Device, Tensor, D};
 
 use crate::{
-    expect_device, expect_dim, expect_float_dtype, expect_positive, expect_shape, float_dims,
-    invalid_argument, round_to_dtype, silu, tensor_from_f32, to_f32_vec, Result,
+    expect_device, expect_dim, expect_float_dtype, expect_on_device, expect_positive, expect_shape,
+    float_dims, invalid_argument, round_to_dtype, silu, tensor_from_f32, to_f32_vec, Result,
 };
 
 const OP: &str = "gated_rms_norm";
@@ -28,29 +28,8 @@ const OFFSET_OP: &str = "offset_rms_norm";
 ///
 /// Returns `[N, D]` in the dtype of `x`.
 pub fn gated_rms_norm(x: &Tensor, z: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
-    let [rows, width] = float_dims::<2>(OP, "x", x)?;
-    let z_dims = float_dims::<2>(OP, "z", z)?;
-    let [weight_len] = float_dims::<1>(OP, "weight", weight)?;
-    expect_positive(OP, "x", "row width (dim 1)", width)?;
-    expect_shape(OP, "z", &z_dims, &[rows, width], "the shape of `x`")?;
-    expect_dim(OP, "weight", "length", weight_len, width)?;
-    let device = x.device();
-    expect_device(OP, "z", z, device)?;
-    expect_device(OP, "weight", weight, device)?;
-    let args = GatedRmsNormArgs {
-        x,
-        z,
-        weight,
-        eps,
-        rows,
-        width,
-    };
-    on_device!(
-        OP,
-        device,
-        cpu_gated_rms_norm(&args),
-        crate::cuda::gated_rms_norm(&args),
-    )
+    let args = GatedRmsNormArgs::validate(x, z, weight, eps)?;
+    on_device!(OP, x.device(), args.cpu(), args.cuda())
 }
 
 /// The validated arguments of a [`gated_rms_norm`] call and its sizes: `x`
@@ -64,31 +43,53 @@ pub(crate) struct GatedRmsNormArgs<'a> {
     pub width: usize,
 }
 
-fn cpu_gated_rms_norm(args: &GatedRmsNormArgs<'_>) -> Result<Tensor> {
-    let (rows, width) = (args.rows, args.width);
-    let dtype = args.x.dtype();
-    let x = to_f32_vec(args.x)?;
-    let z = to_f32_vec(args.z)?;
-    let weight = to_f32_vec(args.weight)?;
-    let eps = args.eps as f32;
-
-    let mut normalized = Vec::with_capacity(x.len());
-    for row in x.chunks_exact(width) {
-        let mean_square = row.iter().map(|&value| value * value).sum::<f32>() / width as f32;
-        let inv_rms = 1.0 / (mean_square + eps).sqrt();
-        normalized.extend(row.iter().map(|&value| value * inv_rms));
+impl<'a> GatedRmsNormArgs<'a> {
+    /// Checks the arguments of a [`gated_rms_norm`] call and reads its sizes.
+    fn validate(x: &'a Tensor, z: &'a Tensor, weight: &'a Tensor, eps: f64) -> Result<Self> {
+        let [rows, width] = float_dims::<2>(OP, "x", x)?;
+        let z_dims = float_dims::<2>(OP, "z", z)?;
+        let [weight_len] = float_dims::<1>(OP, "weight", weight)?;
+        expect_positive(OP, "x", "row width (dim 1)", width)?;
+        expect_shape(OP, "z", &z_dims, &[rows, width], "the shape of `x`")?;
+        expect_dim(OP, "weight", "length", weight_len, width)?;
+        expect_on_device(OP, x.device(), [("z", z), ("weight", weight)])?;
+        Ok(Self {
+            x,
+            z,
+            weight,
+            eps,
+            rows,
+            width,
+        })
     }
-    let scaled = round_to_dtype(normalized, dtype)?
-        .into_iter()
-        .zip(weight.iter().cycle())
-        .map(|(normalized, &weight)| weight * normalized)
-        .collect();
-    let gated = round_to_dtype(scaled, dtype)?
-        .into_iter()
-        .zip(&z)
-        .map(|(scaled, &gate)| scaled * silu(gate))
-        .collect();
-    tensor_from_f32(gated, &[rows, width], dtype)
+
+    /// The CPU reference.
+    fn cpu(&self) -> Result<Tensor> {
+        let (rows, width) = (self.rows, self.width);
+        let dtype = self.x.dtype();
+        let x = to_f32_vec(self.x)?;
+        let z = to_f32_vec(self.z)?;
+        let weight = to_f32_vec(self.weight)?;
+        let eps = self.eps as f32;
+
+        let mut normalized = Vec::with_capacity(x.len());
+        for row in x.chunks_exact(width) {
+            let mean_square = row.iter().map(|&value| value * value).sum::<f32>() / width as f32;
+            let inv_rms = 1.0 / (mean_square + eps).sqrt();
+            normalized.extend(row.iter().map(|&value| value * inv_rms));
+        }
+        let scaled = round_to_dtype(normalized, dtype)?
+            .into_iter()
+            .zip(weight.iter().cycle())
+            .map(|(normalized, &weight)| weight * normalized)
+            .collect();
+        let gated = round_to_dtype(scaled, dtype)?
+            .into_iter()
+            .zip(&z)
+            .map(|(scaled, &gate)| scaled * silu(gate))
+            .collect();
+        tensor_from_f32(gated, &[rows, width], dtype)
+    }
 }
 
 /// Normalises `x` over its last dimension and scales it by `scale`, in `f32`

@@ -3,8 +3,8 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::{
-    expect_device, expect_dim, expect_positive, expect_shape, float_dims, invalid_argument,
-    tensor_from_f32, to_f32_vec, Result,
+    ensure, expect_device, expect_dim, expect_on_device, expect_positive, expect_shape, float_dims,
+    invalid_argument, tensor_from_f32, to_f32_vec, Result,
 };
 
 const OP: &str = "kda_recurrence";
@@ -352,13 +352,13 @@ fn validate(tokens: &KdaTokens<'_>, state: &Tensor) -> Result<RecurrenceDims> {
     let dims = validate_tokens(OP, tokens)?;
     let state_dims = float_dims::<4>(OP, "state", state)?;
     let expected_state = [dims.batch, dims.value_heads, dims.key_dim, dims.value_dim];
-    if state_dims != expected_state {
-        return Err(invalid_argument(
-            OP,
-            "state",
-            format!("shape {state_dims:?}, expected [B, Hv, dk, dv] = {expected_state:?}"),
-        ));
-    }
+    expect_shape(
+        OP,
+        "state",
+        &state_dims,
+        &expected_state,
+        "[B, Hv, dk, dv] =",
+    )?;
     expect_device(OP, "state", state, tokens.q.device())?;
     Ok(dims)
 }
@@ -371,7 +371,7 @@ fn validate_tokens(op: &'static str, tokens: &KdaTokens<'_>) -> Result<Recurrenc
     let k_dims = float_dims::<4>(op, "k", k)?;
     let [v_batch, v_seq_len, value_heads, value_dim] = float_dims::<4>(op, "v", v)?;
     let g_dims = float_dims::<4>(op, "g", g)?;
-    let [beta_batch, beta_seq_len, beta_heads] = float_dims::<3>(op, "beta", beta)?;
+    let beta_dims = float_dims::<3>(op, "beta", beta)?;
 
     expect_shape(op, "k", &k_dims, q.dims(), "the shape of `q`")?;
     for (arg, what, size) in [
@@ -381,40 +381,27 @@ fn validate_tokens(op: &'static str, tokens: &KdaTokens<'_>) -> Result<Recurrenc
     ] {
         expect_positive(op, arg, what, size)?;
     }
-    if value_heads == 0 || value_heads % key_heads != 0 {
-        return Err(invalid_argument(
-            op,
-            "v",
+    ensure(
+        value_heads > 0 && value_heads % key_heads == 0,
+        op,
+        "v",
+        || {
             format!(
-                "value head count (dim 2) {value_heads} must be a positive multiple of the key head count {key_heads}"
-            ),
-        ));
-    }
+            "value head count (dim 2) {value_heads} must be a positive multiple of the key head count {key_heads}"
+        )
+        },
+    )?;
     expect_dim(op, "v", "batch size (dim 0)", v_batch, batch)?;
     expect_dim(op, "v", "sequence length (dim 1)", v_seq_len, seq_len)?;
     let expected_g = [batch, seq_len, value_heads, key_dim];
-    if g_dims != expected_g {
-        return Err(invalid_argument(
-            op,
-            "g",
-            format!("shape {g_dims:?}, expected [B, T, Hv, dk] = {expected_g:?}"),
-        ));
-    }
+    expect_shape(op, "g", &g_dims, &expected_g, "[B, T, Hv, dk] =")?;
     let expected_beta = [batch, seq_len, value_heads];
-    if [beta_batch, beta_seq_len, beta_heads] != expected_beta {
-        return Err(invalid_argument(
-            op,
-            "beta",
-            format!(
-                "shape {:?}, expected [B, T, Hv] = {expected_beta:?}",
-                beta.dims()
-            ),
-        ));
-    }
-    let device = q.device();
-    for (arg, tensor) in [("k", k), ("v", v), ("g", g), ("beta", beta)] {
-        expect_device(op, arg, tensor, device)?;
-    }
+    expect_shape(op, "beta", &beta_dims, &expected_beta, "[B, T, Hv] =")?;
+    expect_on_device(
+        op,
+        q.device(),
+        [("k", k), ("v", v), ("g", g), ("beta", beta)],
+    )?;
     Ok(RecurrenceDims {
         batch,
         seq_len,

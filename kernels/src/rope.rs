@@ -5,10 +5,7 @@
 use candle_core::{Tensor, D};
 
 use crate::norm::{cpu_offset_rms_norm, validate_offset_scale};
-use crate::{
-    expect_device, expect_positive, expect_same_dtype, expect_shape, float_dims, invalid_argument,
-    Result,
-};
+use crate::{ensure, expect_like, expect_positive, float_dims, Result};
 
 const OP: &str = "offset_rms_norm_rope";
 
@@ -49,46 +46,8 @@ pub fn offset_rms_norm_rope(
     cos: &Tensor,
     sin: &Tensor,
 ) -> Result<Tensor> {
-    let [batch, seq_len, _, width] = float_dims::<4>(OP, "x", x)?;
-    expect_positive(OP, "x", "the head dim (dim 3)", width)?;
-    validate_offset_scale(OP, scale, width, x.device())?;
-    let [_, _, rotary] = float_dims::<3>(OP, "cos", cos)?;
-    if rotary == 0 || rotary % 2 != 0 || rotary > width {
-        return Err(invalid_argument(
-            OP,
-            "cos",
-            format!(
-                "the rotary width (dim 2) is {rotary}; it must be positive, even and at most \
-                 the head dim {width}"
-            ),
-        ));
-    }
-    let device = x.device();
-    for (arg, table) in [("cos", cos), ("sin", sin)] {
-        expect_shape(
-            OP,
-            arg,
-            table.dims(),
-            &[batch, seq_len, rotary],
-            "the expected",
-        )?;
-        expect_same_dtype(OP, arg, table, x.dtype(), "the dtype of `x`")?;
-        expect_device(OP, arg, table, device)?;
-    }
-    let args = NormRopeArgs {
-        x,
-        scale,
-        eps,
-        cos,
-        sin,
-        rotary,
-    };
-    on_device!(
-        OP,
-        device,
-        cpu_offset_rms_norm_rope(&args),
-        crate::cuda::offset_rms_norm_rope(&args),
-    )
+    let args = NormRopeArgs::validate(x, scale, eps, cos, sin)?;
+    on_device!(OP, x.device(), args.cpu(), args.cuda())
 }
 
 /// The validated arguments of an [`offset_rms_norm_rope`] call: `x`
@@ -103,25 +62,65 @@ pub(crate) struct NormRopeArgs<'a> {
     pub rotary: usize,
 }
 
-fn cpu_offset_rms_norm_rope(args: &NormRopeArgs<'_>) -> Result<Tensor> {
-    let NormRopeArgs {
-        cos, sin, rotary, ..
-    } = *args;
-    let normed = cpu_offset_rms_norm(args.x, args.scale, args.eps)?;
-    let width = normed.dim(D::Minus1)?;
-    let half = rotary / 2;
-    let rotated = normed.narrow(D::Minus1, 0, rotary)?;
-    let first = rotated.narrow(D::Minus1, 0, half)?;
-    let second = rotated.narrow(D::Minus1, half, half)?;
-    let rotate_half = Tensor::cat(&[&second.neg()?, &first], D::Minus1)?;
-    let cos_term = rotated.broadcast_mul(&cos.unsqueeze(2)?)?;
-    let sin_term = rotate_half.broadcast_mul(&sin.unsqueeze(2)?)?;
-    let out = (cos_term + sin_term)?;
-    if rotary == width {
-        return Ok(out);
+impl<'a> NormRopeArgs<'a> {
+    /// Checks the arguments of an [`offset_rms_norm_rope`] call and reads its
+    /// rotary width.
+    fn validate(
+        x: &'a Tensor,
+        scale: &'a Tensor,
+        eps: f64,
+        cos: &'a Tensor,
+        sin: &'a Tensor,
+    ) -> Result<Self> {
+        let [batch, seq_len, _, width] = float_dims::<4>(OP, "x", x)?;
+        expect_positive(OP, "x", "the head dim (dim 3)", width)?;
+        validate_offset_scale(OP, scale, width, x.device())?;
+        let [_, _, rotary] = float_dims::<3>(OP, "cos", cos)?;
+        ensure(
+            rotary > 0 && rotary % 2 == 0 && rotary <= width,
+            OP,
+            "cos",
+            || {
+                format!(
+                    "the rotary width (dim 2) is {rotary}; it must be positive, even and at most \
+                 the head dim {width}"
+                )
+            },
+        )?;
+        for (arg, table) in [("cos", cos), ("sin", sin)] {
+            expect_like(OP, arg, table, &[batch, seq_len, rotary], ("x", x))?;
+        }
+        Ok(Self {
+            x,
+            scale,
+            eps,
+            cos,
+            sin,
+            rotary,
+        })
     }
-    let pass = normed.narrow(D::Minus1, rotary, width - rotary)?;
-    // candle concatenates non-contiguous views along the last dimension into
-    // a transposed layout.
-    Ok(Tensor::cat(&[&out, &pass], D::Minus1)?.contiguous()?)
+
+    /// The CPU reference.
+    fn cpu(&self) -> Result<Tensor> {
+        let NormRopeArgs {
+            cos, sin, rotary, ..
+        } = *self;
+        let normed = cpu_offset_rms_norm(self.x, self.scale, self.eps)?;
+        let width = normed.dim(D::Minus1)?;
+        let half = rotary / 2;
+        let rotated = normed.narrow(D::Minus1, 0, rotary)?;
+        let first = rotated.narrow(D::Minus1, 0, half)?;
+        let second = rotated.narrow(D::Minus1, half, half)?;
+        let rotate_half = Tensor::cat(&[&second.neg()?, &first], D::Minus1)?;
+        let cos_term = rotated.broadcast_mul(&cos.unsqueeze(2)?)?;
+        let sin_term = rotate_half.broadcast_mul(&sin.unsqueeze(2)?)?;
+        let out = (cos_term + sin_term)?;
+        if rotary == width {
+            return Ok(out);
+        }
+        let pass = normed.narrow(D::Minus1, rotary, width - rotary)?;
+        // candle concatenates non-contiguous views along the last dimension into
+        // a transposed layout.
+        Ok(Tensor::cat(&[&out, &pass], D::Minus1)?.contiguous()?)
+    }
 }

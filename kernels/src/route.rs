@@ -4,8 +4,7 @@ use candle_core::cpu::kernels::VecOps;
 use candle_core::{DType, Device, Tensor};
 
 use crate::{
-    expect_float_dtype, expect_positive, float_dims, invalid_argument, round_to_dtype, to_f32_vec,
-    Result,
+    ensure, expect_float_dtype, expect_positive, float_dims, round_to_dtype, to_f32_vec, Result,
 };
 
 const OP: &str = "moe_route";
@@ -50,35 +49,8 @@ pub fn moe_route(
     renormalize: bool,
     weight_dtype: DType,
 ) -> Result<(Tensor, Tensor)> {
-    let [rows, experts] = float_dims::<2>(OP, "router_logits", router_logits)?;
-    expect_positive(
-        OP,
-        "router_logits",
-        "the number of experts (dim 1)",
-        experts,
-    )?;
-    if top_k == 0 || top_k > experts {
-        return Err(invalid_argument(
-            OP,
-            "top_k",
-            format!("{top_k} must be between 1 and the number of experts {experts}"),
-        ));
-    }
-    expect_float_dtype(OP, "weight_dtype", weight_dtype)?;
-    let args = MoeRouteArgs {
-        router_logits,
-        rows,
-        experts,
-        top_k,
-        renormalize,
-        weight_dtype,
-    };
-    on_device!(
-        OP,
-        router_logits.device(),
-        cpu_moe_route(&args),
-        crate::cuda::moe_route(&args),
-    )
+    let args = MoeRouteArgs::validate(router_logits, top_k, renormalize, weight_dtype)?;
+    on_device!(OP, router_logits.device(), args.cpu(), args.cuda())
 }
 
 /// The validated arguments of a [`moe_route`] call and its sizes:
@@ -92,27 +64,58 @@ pub(crate) struct MoeRouteArgs<'a> {
     pub weight_dtype: DType,
 }
 
-fn cpu_moe_route(args: &MoeRouteArgs<'_>) -> Result<(Tensor, Tensor)> {
-    let (rows, experts, top_k) = (args.rows, args.experts, args.top_k);
-    let logits = to_f32_vec(args.router_logits)?;
-    let mut weights = Vec::with_capacity(rows * top_k);
-    let mut ids = Vec::with_capacity(rows * top_k);
-    let mut probs = vec![0f32; experts];
-    for row in logits.chunks_exact(experts) {
-        softmax(row, &mut probs);
-        let chosen = torch_top_k(&probs, top_k);
-        let total: f32 = chosen.iter().map(|&expert| probs[expert]).sum();
-        for expert in chosen {
-            let prob = probs[expert];
-            weights.push(if args.renormalize { prob / total } else { prob });
-            ids.push(expert as u32);
-        }
+impl<'a> MoeRouteArgs<'a> {
+    /// Checks the arguments of a [`moe_route`] call and reads its sizes.
+    fn validate(
+        router_logits: &'a Tensor,
+        top_k: usize,
+        renormalize: bool,
+        weight_dtype: DType,
+    ) -> Result<Self> {
+        let [rows, experts] = float_dims::<2>(OP, "router_logits", router_logits)?;
+        expect_positive(
+            OP,
+            "router_logits",
+            "the number of experts (dim 1)",
+            experts,
+        )?;
+        ensure((1..=experts).contains(&top_k), OP, "top_k", || {
+            format!("{top_k} must be between 1 and the number of experts {experts}")
+        })?;
+        expect_float_dtype(OP, "weight_dtype", weight_dtype)?;
+        Ok(Self {
+            router_logits,
+            rows,
+            experts,
+            top_k,
+            renormalize,
+            weight_dtype,
+        })
     }
-    let weights = round_to_dtype(weights, args.weight_dtype)?;
-    Ok((
-        Tensor::from_vec(weights, (rows, top_k), &Device::Cpu)?,
-        Tensor::from_vec(ids, (rows, top_k), &Device::Cpu)?,
-    ))
+
+    /// The CPU reference.
+    fn cpu(&self) -> Result<(Tensor, Tensor)> {
+        let (rows, experts, top_k) = (self.rows, self.experts, self.top_k);
+        let logits = to_f32_vec(self.router_logits)?;
+        let mut weights = Vec::with_capacity(rows * top_k);
+        let mut ids = Vec::with_capacity(rows * top_k);
+        let mut probs = vec![0f32; experts];
+        for row in logits.chunks_exact(experts) {
+            softmax(row, &mut probs);
+            let chosen = torch_top_k(&probs, top_k);
+            let total: f32 = chosen.iter().map(|&expert| probs[expert]).sum();
+            for expert in chosen {
+                let prob = probs[expert];
+                weights.push(if self.renormalize { prob / total } else { prob });
+                ids.push(expert as u32);
+            }
+        }
+        let weights = round_to_dtype(weights, self.weight_dtype)?;
+        Ok((
+            Tensor::from_vec(weights, (rows, top_k), &Device::Cpu)?,
+            Tensor::from_vec(ids, (rows, top_k), &Device::Cpu)?,
+        ))
+    }
 }
 
 /// `probs = softmax(row)`, computed as candle_nn's CPU `softmax_last_dim`

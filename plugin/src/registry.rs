@@ -43,24 +43,18 @@ impl Registry {
     }
 }
 
+fn as_strs(names: &[String]) -> Vec<&str> {
+    names.iter().map(String::as_str).collect()
+}
+
 /// Registers BerryLM with the host: its loader under every model type and
 /// architecture name of `registry.toml`, and its chat output parser (reasoning
 /// and tool calls) under the parser names there.
 pub fn register() -> anyhow::Result<()> {
     let registry = Registry::bundled()
         .map_err(|e| anyhow::anyhow!("berrylm registry.toml is invalid: {e}"))?;
-    let architectures: Vec<&str> = registry
-        .model
-        .architectures
-        .iter()
-        .map(String::as_str)
-        .collect();
-    let model_types: Vec<&str> = registry
-        .model
-        .model_types
-        .iter()
-        .map(String::as_str)
-        .collect();
+    let architectures = as_strs(&registry.model.architectures);
+    let model_types = as_strs(&registry.model.model_types);
     for name in [&registry.parsers.reasoning, &registry.parsers.tool_call] {
         plugin_api::register_chat_output_parser(
             name,

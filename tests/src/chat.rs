@@ -114,19 +114,32 @@ pub fn arguments(call_arguments: &Value) -> Value {
     serde_json::from_str(call_arguments.as_str().unwrap_or("null")).unwrap_or(Value::Null)
 }
 
+/// An assistant message's `reasoning_content`, trimmed (`None` when it has
+/// none).
+pub fn reasoning(message: &Value) -> Option<&str> {
+    message["reasoning_content"].as_str().map(str::trim)
+}
+
+/// Asserts that `call`, in [`chat_answer`]'s `{id, name, arguments}` shape,
+/// calls `name` with `expected` arguments.
+pub fn assert_call(call: &Value, name: &str, expected: &Value, context: &str) {
+    assert_eq!(call["name"], json!(name), "{context}");
+    assert_eq!(arguments(&call["arguments"]), *expected, "{context}");
+}
+
 /// The assistant message of a non-streamed response that must end in tool
 /// calls after the given reasoning (checked: HTTP 200, `finish_reason`
 /// `tool_calls`, the trimmed `reasoning_content`).
-pub fn tool_call_message<'a>(status: u16, response: &'a Value, reasoning: &str) -> &'a Value {
+pub fn tool_call_message<'a>(
+    status: u16,
+    response: &'a Value,
+    expected_reasoning: &str,
+) -> &'a Value {
     assert_eq!(status, 200, "{response}");
     let choice = &response["choices"][0];
     assert_eq!(choice["finish_reason"], json!("tool_calls"), "{response}");
     let message = &choice["message"];
-    assert_eq!(
-        message["reasoning_content"].as_str().map(str::trim),
-        Some(reasoning),
-        "{response}"
-    );
+    assert_eq!(reasoning(message), Some(expected_reasoning), "{response}");
     message
 }
 
@@ -134,15 +147,13 @@ pub fn tool_call_message<'a>(status: u16, response: &'a Value, reasoning: &str) 
 /// against the model's answer to the golden weather question: a call to
 /// `get_weather` with `{"city": "Oslo"}`, ending the turn.
 pub fn assert_golden_weather_call(message: &Value, finish_reason: &str) {
-    assert_eq!(finish_reason, "tool_calls", "{message}");
-    assert_eq!(
-        message["tool_calls"][0]["name"],
-        json!("get_weather"),
-        "{message}"
-    );
-    assert_eq!(
-        arguments(&message["tool_calls"][0]["arguments"]),
-        json!({"city": "Oslo"}),
-        "{message}"
+    let context = message.to_string();
+    assert_eq!(finish_reason, "tool_calls", "{context}");
+    let expected = json!({"city": "Oslo"});
+    assert_call(
+        &message["tool_calls"][0],
+        "get_weather",
+        &expected,
+        &context,
     );
 }

@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::process::Command;
 
 use anyhow::{Context, Result};
 use berrylm::model::BerryLm;
@@ -116,6 +117,37 @@ pub fn max_abs(a: &Tensor) -> Result<f32> {
         .flatten_all()?
         .max(0)?
         .to_scalar::<f32>()?)
+}
+
+/// The number at `key` of the JSON object `object`.
+pub fn number(object: &serde_json::Value, key: &str) -> Result<f64> {
+    object[key]
+        .as_f64()
+        .with_context(|| format!("`{key}` is not a number in {object}"))
+}
+
+/// The unsigned integer at `key` of the JSON object `object`.
+pub fn count(object: &serde_json::Value, key: &str) -> Result<u64> {
+    object[key]
+        .as_u64()
+        .with_context(|| format!("`{key}` is not an unsigned integer in {object}"))
+}
+
+/// Runs `command` to its end, asserts that it exits successfully and
+/// returns its standard output.
+pub fn run_successfully(command: &mut Command) -> Result<String> {
+    let program = command.get_program().to_string_lossy().into_owned();
+    let output = command
+        .output()
+        .with_context(|| format!("running {program}"))?;
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "{program} failed ({}):\n{stdout}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(stdout)
 }
 
 /// A binary of the workspace, built beside the tests by `cargo xtask test`

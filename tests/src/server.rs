@@ -223,8 +223,9 @@ impl Server {
         }
     }
 
-    /// The text of a greedy `/v1/completions` of `prompt` (at most `max_tokens`).
-    pub fn complete(&self, prompt: &str, max_tokens: usize) -> Result<String> {
+    /// The response to a greedy `/v1/completions` of `prompt` (at most
+    /// `max_tokens`), which must be HTTP 200.
+    pub fn completion(&self, prompt: &str, max_tokens: usize) -> Result<serde_json::Value> {
         let request = serde_json::json!({
             "model": "default",
             "prompt": prompt,
@@ -233,6 +234,12 @@ impl Server {
         });
         let (status, response) = self.post("/v1/completions", &request)?;
         anyhow::ensure!(status == 200, "HTTP {status}: {response}");
+        Ok(response)
+    }
+
+    /// The text of a greedy `/v1/completions` of `prompt` (at most `max_tokens`).
+    pub fn complete(&self, prompt: &str, max_tokens: usize) -> Result<String> {
+        let response = self.completion(prompt, max_tokens)?;
         Ok(response["choices"][0]["text"]
             .as_str()
             .unwrap_or_default()
@@ -284,6 +291,21 @@ impl Server {
             status,
             serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text)),
         ))
+    }
+
+    /// POSTs `body` as it is to `path` and asserts an HTTP 4xx whose body
+    /// mentions `names`; `what` names the request in a failure.
+    pub fn assert_rejected(&self, path: &str, body: &str, names: &str, what: &str) -> Result<()> {
+        let (status, response) = self.post_raw(path, body)?;
+        assert!(
+            (400..500).contains(&status),
+            "{what}: expected an HTTP 4xx, got {status}: {response}"
+        );
+        assert!(
+            response.contains(names),
+            "{what}: HTTP {status} but the body does not mention {names:?}: {response}"
+        );
+        Ok(())
     }
 
     /// POSTs a streaming request and returns the `data:` payloads of the SSE stream.

@@ -4,9 +4,12 @@
 //! alignment report (docs/alignment.md).
 
 use std::path::Path;
+use std::process::Command;
 
 use anyhow::{Context, Result};
-use berrylm_tests::{align_binary, fixtures_dir, Fixture, FIXTURES};
+use berrylm_tests::{
+    align_binary, count, fixtures_dir, number, run_successfully, Fixture, FIXTURES,
+};
 use candle_core::Device;
 use serde_json::Value;
 
@@ -31,24 +34,16 @@ fn run_align(
     json: &Path,
     extra: &[&std::ffi::OsStr],
 ) -> Result<String> {
-    let output = std::process::Command::new(align_binary()?)
-        .arg("--model")
-        .arg(model)
-        .arg("--golden")
-        .arg(golden)
-        .args(["--dtype", dtype, "--device", "cpu", "--json"])
-        .arg(json)
-        .args(extra)
-        .output()
-        .context("running berrylm-align")?;
-    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-    assert!(
-        output.status.success(),
-        "berrylm-align failed ({}):\n{stdout}\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stderr)
-    );
-    Ok(stdout)
+    run_successfully(
+        Command::new(align_binary()?)
+            .arg("--model")
+            .arg(model)
+            .arg("--golden")
+            .arg(golden)
+            .args(["--dtype", dtype, "--device", "cpu", "--json"])
+            .arg(json)
+            .args(extra),
+    )
 }
 
 #[test]
@@ -73,29 +68,21 @@ fn small_hybrid_f32_is_aligned_in_every_mode() -> Result<()> {
     let modes = &report["modes"];
     for mode in ["prefill", "incremental", "chunked"] {
         let stats = &modes[mode];
-        let top1 = stats["top1_match"].as_f64().context("top1_match")?;
-        let max_diff = stats["max_abs_logprob_diff"]
-            .as_f64()
-            .context("max_abs_logprob_diff")?;
+        let top1 = number(stats, "top1_match")?;
+        let max_diff = number(stats, "max_abs_logprob_diff")?;
         assert_eq!(top1, 1.0, "{mode}: top-1 match {top1}\n{stdout}");
         assert!(
             max_diff <= MAX_LOGPROB_DIFF,
             "{mode}: max |Δ logprob| {max_diff}\n{stdout}"
         );
-        assert!(stats["positions"].as_u64().context("positions")? > 0);
+        assert!(count(stats, "positions")? > 0);
     }
     let incremental = &modes["incremental"];
-    let split = incremental["prefill_positions"]["positions"]
-        .as_u64()
-        .context("prefill positions")?
-        + incremental["decode_positions"]["positions"]
-            .as_u64()
-            .context("decode positions")?;
+    let split = count(&incremental["prefill_positions"], "positions")?
+        + count(&incremental["decode_positions"], "positions")?;
     assert_eq!(Some(split), incremental["positions"].as_u64());
-    let matched = modes["greedy"]["matched"]
-        .as_u64()
-        .context("greedy.matched")?;
-    let total = modes["greedy"]["total"].as_u64().context("greedy.total")?;
+    let matched = count(&modes["greedy"], "matched")?;
+    let total = count(&modes["greedy"], "total")?;
     assert!(total > 0);
     assert_eq!(matched, total, "free-running greedy diverges\n{stdout}");
     assert!(
@@ -129,13 +116,9 @@ struct Pooled {
 impl Pooled {
     /// Adds a report's statistics over a set of positions (a mode, or the noise floor).
     fn add(&mut self, stats: &Value) -> Result<()> {
-        let positions = stats["positions"].as_u64().context("positions")?;
-        let mismatches = stats["top1_mismatches"]
-            .as_u64()
-            .context("top1_mismatches")?;
-        let mean_diff = stats["mean_abs_logprob_diff"]
-            .as_f64()
-            .context("mean_abs_logprob_diff")?;
+        let positions = count(stats, "positions")?;
+        let mismatches = count(stats, "top1_mismatches")?;
+        let mean_diff = number(stats, "mean_abs_logprob_diff")?;
         self.positions += positions;
         self.top1_matches += positions - mismatches;
         self.logprob_diff_sum += mean_diff * positions as f64;
@@ -168,7 +151,7 @@ fn bf16_is_within_the_reference_noise_floor() -> Result<()> {
             continue;
         }
         let json_path = out.join(format!("{name}.json"));
-        let output = std::process::Command::new(align_binary()?)
+        let output = Command::new(align_binary()?)
             .arg("--model")
             .arg(&fixture.model_dir)
             .arg("--golden")
@@ -260,7 +243,7 @@ fn corpus_protocol_f32_matches_at_every_position() -> Result<()> {
         for row in rows {
             let position = &row["position"];
             assert_eq!(row["top1_match"], 1.0, "{table} {position}: {row}");
-            let max = row["max_abs_logprob_diff"].as_f64().context("max")?;
+            let max = number(row, "max_abs_logprob_diff")?;
             assert!(
                 max <= MAX_LOGPROB_DIFF,
                 "{table} {position}: max |Δ logprob| {max}"
@@ -276,10 +259,8 @@ fn corpus_protocol_f32_matches_at_every_position() -> Result<()> {
 fn corpus_protocol_bf16_sits_beside_the_reference_bf16() -> Result<()> {
     let report = corpus_report("bf16")?;
     for table in ["free_running", "teacher_forced"] {
-        let ours = report[table]["top1_match"].as_f64().context("top1_match")?;
-        let floor = report[table]["reference_bf16"]["top1_match"]
-            .as_f64()
-            .context("the reference's bf16 row")?;
+        let ours = number(&report[table], "top1_match")?;
+        let floor = number(&report[table]["reference_bf16"], "top1_match")?;
         assert!(
             ours >= floor - BF16_TOP1_MARGIN,
             "{table}: top-1 {ours} against the reference's bf16 {floor}"

@@ -3,7 +3,11 @@
 //! checkpoint's names, runs every measurement and reports positive, finite
 //! figures for every requested size, in its table and in its JSON.
 
+use std::path::Path;
+use std::process::Command;
+
 use anyhow::{Context, Result};
+use berrylm_tests::{run_successfully, workspace_binary};
 use candle_core::{DType, Device};
 use serde_json::Value;
 
@@ -18,18 +22,35 @@ fn positive(value: &Value, what: &str) -> f64 {
     number
 }
 
+/// Checks a throughput figure of `count` tokens: its `ms_key` time and its
+/// `tokens_per_s` are positive and agree; returns the time.
+fn throughput(figure: &Value, ms_key: &str, count: u32, what: &str) -> f64 {
+    let ms = positive(&figure[ms_key], &format!("{what} {ms_key}"));
+    let rate = positive(&figure["tokens_per_s"], &format!("{what} tokens_per_s"));
+    let count = f64::from(count);
+    assert!((rate * ms / 1e3 - count).abs() < 1e-6 * count);
+    ms
+}
+
+/// Runs `berrylm-bench` on the CPU at the tiny shape with 4 layers and
+/// `args`, the last of which takes `path`; asserts that it succeeds and
+/// returns its standard output.
+fn run_tiny_bench(args: &[&str], path: &Path) -> Result<String> {
+    run_successfully(
+        Command::new(workspace_binary("berrylm-bench")?)
+            .args(["--device", "cpu", "--tiny", "--layers", "4"])
+            .args(args)
+            .arg(path),
+    )
+}
+
 #[test]
 fn tiny_cpu_run_reports_every_requested_figure() -> Result<()> {
     let out = std::env::temp_dir().join(format!("berrylm-bench-test-{}", std::process::id()));
     std::fs::create_dir_all(&out)?;
     let json_path = out.join("bench.json");
-    let output = std::process::Command::new(berrylm_tests::workspace_binary("berrylm-bench")?)
-        .args([
-            "--device",
-            "cpu",
-            "--tiny",
-            "--layers",
-            "4",
+    let stdout = run_tiny_bench(
+        &[
             "--prefill",
             "16,24",
             "--decode",
@@ -49,17 +70,9 @@ fn tiny_cpu_run_reports_every_requested_figure() -> Result<()> {
             "--copy-mib",
             "8",
             "--json",
-        ])
-        .arg(&json_path)
-        .output()
-        .context("running berrylm-bench")?;
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "berrylm-bench failed ({}):\n{stdout}\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stderr)
-    );
+        ],
+        &json_path,
+    )?;
     for heading in [
         "## Prefill",
         "## Decode",
@@ -81,9 +94,7 @@ fn tiny_cpu_run_reports_every_requested_figure() -> Result<()> {
     for (figure, tokens) in prefill.iter().zip([16, 24]) {
         assert_eq!(figure["tokens"], tokens);
         assert_eq!(figure["runs_ms"].as_array().map(Vec::len), Some(2));
-        let ms = positive(&figure["forward_ms"], "prefill forward_ms");
-        let rate = positive(&figure["tokens_per_s"], "prefill tokens_per_s");
-        assert!((rate * ms / 1e3 - tokens as f64).abs() < 1e-6 * tokens as f64);
+        throughput(figure, "forward_ms", tokens, "prefill");
     }
 
     let decode = report["decode"].as_array().context("decode")?;
@@ -91,9 +102,7 @@ fn tiny_cpu_run_reports_every_requested_figure() -> Result<()> {
     for (figure, batch) in decode.iter().zip([1, 3]) {
         assert_eq!(figure["batch"], batch);
         assert_eq!(figure["step_ms"].as_array().map(Vec::len), Some(4));
-        let ms = positive(&figure["ms_per_step"], "decode ms_per_step");
-        let rate = positive(&figure["tokens_per_s"], "decode tokens_per_s");
-        assert!((rate * ms / 1e3 - batch as f64).abs() < 1e-6 * batch as f64);
+        let ms = throughput(figure, "ms_per_step", batch, "decode");
         // Queuing a step's work cannot take longer than the step itself.
         let dispatch = positive(&figure["cpu_dispatch_ms_per_step"], "decode dispatch");
         assert!(dispatch <= ms, "dispatch {dispatch} ms of a {ms} ms step");
@@ -160,25 +169,7 @@ fn tiny_cpu_run_reports_every_requested_figure() -> Result<()> {
 #[test]
 fn saved_tiny_checkpoint_loads_back() -> Result<()> {
     let dir = std::env::temp_dir().join(format!("berrylm-bench-ckpt-{}", std::process::id()));
-    let output = std::process::Command::new(berrylm_tests::workspace_binary("berrylm-bench")?)
-        .args([
-            "--device",
-            "cpu",
-            "--tiny",
-            "--layers",
-            "4",
-            "--save-checkpoint",
-        ])
-        .arg(&dir)
-        .output()
-        .context("running berrylm-bench --save-checkpoint")?;
-    assert!(
-        output.status.success(),
-        "berrylm-bench --save-checkpoint failed ({}):\n{}\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
+    run_tiny_bench(&["--save-checkpoint"], &dir)?;
     for file in [
         "config.json",
         "model.safetensors",

@@ -113,6 +113,14 @@ fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) -> Result<
     Ok(())
 }
 
+/// Cuts the copy's file `name` to its first half.
+fn truncate_to_half(dir: &Path, name: &str) -> Result<()> {
+    let path = dir.join(name);
+    let bytes = std::fs::read(&path)?;
+    std::fs::write(&path, &bytes[..bytes.len() / 2])?;
+    Ok(())
+}
+
 /// Runs `mistralrs serve` on `model_dir`, expects it to exit within two
 /// minutes and returns its exit status and output.
 fn serve_until_exit(model_dir: &Path) -> Result<(ExitStatus, String)> {
@@ -176,9 +184,7 @@ fn assert_fails_to_serve(dir: &Path, names: &[&str]) -> Result<()> {
 #[test]
 fn a_truncated_safetensors_file_fails_to_serve_naming_the_file() -> Result<()> {
     let dir = trained_tiny_copy("truncated")?;
-    let shard = dir.join("model-00002-of-00002.safetensors");
-    let bytes = std::fs::read(&shard)?;
-    std::fs::write(&shard, &bytes[..bytes.len() / 2])?;
+    truncate_to_half(&dir, "model-00002-of-00002.safetensors")?;
     assert_fails_to_serve(&dir, &["model-00002-of-00002.safetensors", "incomplete"])
 }
 
@@ -265,8 +271,6 @@ fn a_config_that_is_not_json_fails_to_serve_naming_the_file() -> Result<()> {
 #[test]
 fn a_truncated_tokenizer_fails_to_serve_naming_the_file() -> Result<()> {
     let dir = trained_tiny_copy("truncated-tokenizer")?;
-    let path = dir.join("tokenizer.json");
-    let text = std::fs::read(&path)?;
-    std::fs::write(&path, &text[..text.len() / 2])?;
+    truncate_to_half(&dir, "tokenizer.json")?;
     assert_fails_to_serve(&dir, &["tokenizer.json"])
 }

@@ -2,10 +2,10 @@
 //! scheduler, the hybrid cache manager, the sampler) reproduces the
 //! reference's greedy tokens on every fixture, up to the first EOS.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
+use berrylm_align::modes::greedy_completion;
 use berrylm_tests::{Fixture, FIXTURES};
 use mistralrs::{ModelDType, TextModelBuilder};
-use mistralrs_core::{NormalRequest, Request, RequestMessage, Response, SamplingParams};
 
 fn eos_ids(fixture: &Fixture) -> Vec<u32> {
     let path = fixture.model_dir.join("generation_config.json");
@@ -22,32 +22,6 @@ fn eos_ids(fixture: &Fixture) -> Vec<u32> {
             .filter_map(|id| id.as_u64().map(|id| id as u32))
             .collect(),
         _ => Vec::new(),
-    }
-}
-
-async fn greedy_text(model: &mistralrs::Model, prompt: Vec<u32>, max_len: usize) -> Result<String> {
-    let (tx, mut rx) = tokio::sync::mpsc::channel(1);
-    let mut sampling = SamplingParams::deterministic();
-    sampling.max_len = Some(max_len);
-    let request = NormalRequest::new_simple(
-        RequestMessage::CompletionTokens(prompt),
-        sampling,
-        tx,
-        0,
-        None,
-        None,
-    );
-    model
-        .inner()
-        .get_sender(None)?
-        .send(Request::Normal(Box::new(request)))
-        .await
-        .context("sending the request")?;
-    match rx.recv().await.context("no response")? {
-        Response::CompletionDone(done) => Ok(done.choices[0].text.clone()),
-        Response::CompletionModelError(message, _) => bail!("model error: {message}"),
-        Response::InternalError(error) | Response::ValidationError(error) => bail!("{error}"),
-        _ => bail!("unexpected response kind to a completion request"),
     }
 }
 
@@ -68,7 +42,7 @@ async fn engine_greedy_generation_matches_reference() -> Result<()> {
             .build()
             .await
             .with_context(|| format!("{name}: building the engine"))?;
-        let text = greedy_text(&model, prompt, expected.len()).await?;
+        let text = greedy_completion(&model, prompt, expected.len()).await?;
         // The engine may or may not render the final EOS token in the text, and
         // it trims leading whitespace from a completion.
         let with_eos = model.detokenize(expected.clone(), false).await?;

@@ -3,6 +3,7 @@
 //! prefill-then-decode, chunked prefill, and batching.
 
 use anyhow::Result;
+use berrylm::model::BerryLm;
 use berrylm_tests::{max_abs, max_abs_diff, Driver, Fixture, FIXTURES};
 use candle_core::{DType, IndexOp, Tensor};
 
@@ -24,92 +25,93 @@ fn assert_logits_close(
     Ok(())
 }
 
-#[test]
-fn one_shot_prefill_matches_reference_logits_and_hidden_states() -> Result<()> {
+/// Runs `check` on every golden sequence of every fixture with the fixture,
+/// its float32 model, the sequence's index, its input ids and the
+/// reference's float32 logits.
+fn for_each_sequence(
+    mut check: impl FnMut(&Fixture, &BerryLm, usize, &[u32], &Tensor) -> Result<()>,
+) -> Result<()> {
     for name in FIXTURES {
         let fixture = Fixture::load(name)?;
         let model = fixture.model(DType::F32)?;
         for seq in 0..fixture.num_sequences() {
             let ids = fixture.ids(&format!("seq{seq}.input_ids"))?;
-            let mut driver = Driver::new(&model, 1)?;
-            let mut layers = Vec::new();
-            let logits = driver.step(&[&ids], Some(&mut layers))?.squeeze(0)?;
             let reference = fixture.tensor(&format!("seq{seq}.logits_f32"))?;
-            assert_logits_close(&fixture, &format!("seq{seq} prefill"), &logits, reference)?;
-
-            if let Ok(hidden) = fixture.tensor(&format!("seq{seq}.hidden_states_f32")) {
-                let num_layers = layers.len();
-                // Index j (1..L-1) is the output of layer j-1; the last index is
-                // after the final norm, which we compare through the logits.
-                for j in 1..num_layers {
-                    let expected = hidden.i(j)?;
-                    let ours = layers[j - 1].squeeze(0)?;
-                    let bound = 1e-3 * max_abs(&expected)?.max(1.0);
-                    let diff = max_abs_diff(&ours, &expected)?;
-                    assert!(
-                        diff <= bound,
-                        "{name}: seq{seq} hidden state {j}: max diff {diff} > {bound}"
-                    );
-                }
-            }
+            check(&fixture, &model, seq, &ids, reference)?;
         }
     }
     Ok(())
+}
+
+#[test]
+fn one_shot_prefill_matches_reference_logits_and_hidden_states() -> Result<()> {
+    for_each_sequence(|fixture, model, seq, ids, reference| {
+        let mut driver = Driver::new(model, 1)?;
+        let mut layers = Vec::new();
+        let logits = driver.step(&[ids], Some(&mut layers))?.squeeze(0)?;
+        assert_logits_close(fixture, &format!("seq{seq} prefill"), &logits, reference)?;
+
+        if let Ok(hidden) = fixture.tensor(&format!("seq{seq}.hidden_states_f32")) {
+            let num_layers = layers.len();
+            // Index j (1..L-1) is the output of layer j-1; the last index is
+            // after the final norm, which we compare through the logits.
+            for j in 1..num_layers {
+                let expected = hidden.i(j)?;
+                let ours = layers[j - 1].squeeze(0)?;
+                let bound = 1e-3 * max_abs(&expected)?.max(1.0);
+                let diff = max_abs_diff(&ours, &expected)?;
+                assert!(
+                    diff <= bound,
+                    "{}: seq{seq} hidden state {j}: max diff {diff} > {bound}",
+                    fixture.name
+                );
+            }
+        }
+        Ok(())
+    })
 }
 
 #[test]
 fn prefill_then_decode_matches_reference() -> Result<()> {
-    for name in FIXTURES {
-        let fixture = Fixture::load(name)?;
-        let model = fixture.model(DType::F32)?;
-        for seq in 0..fixture.num_sequences() {
-            let ids = fixture.ids(&format!("seq{seq}.input_ids"))?;
-            let reference = fixture.tensor(&format!("seq{seq}.logits_f32"))?;
-            let len = ids.len();
-            let mut splits = vec![1, len.saturating_sub(1), len / 2];
-            splits.retain(|k| *k >= 1 && *k < len);
-            splits.dedup();
-            for k in splits {
-                let mut driver = Driver::new(&model, 1)?;
-                let sizes = std::iter::once(k).chain(std::iter::repeat(1));
-                let logits = driver.run_chunked(&ids, sizes)?;
-                assert_logits_close(
-                    &fixture,
-                    &format!("seq{seq} prefill {k} then decode"),
-                    &logits,
-                    reference,
-                )?;
-            }
+    for_each_sequence(|fixture, model, seq, ids, reference| {
+        let len = ids.len();
+        let mut splits = vec![1, len.saturating_sub(1), len / 2];
+        splits.retain(|k| *k >= 1 && *k < len);
+        splits.dedup();
+        for k in splits {
+            let mut driver = Driver::new(model, 1)?;
+            let sizes = std::iter::once(k).chain(std::iter::repeat(1));
+            let logits = driver.run_chunked(ids, sizes)?;
+            assert_logits_close(
+                fixture,
+                &format!("seq{seq} prefill {k} then decode"),
+                &logits,
+                reference,
+            )?;
         }
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 #[test]
 fn chunked_prefill_matches_reference() -> Result<()> {
-    for name in FIXTURES {
-        let fixture = Fixture::load(name)?;
-        let model = fixture.model(DType::F32)?;
-        for seq in 0..fixture.num_sequences() {
-            let ids = fixture.ids(&format!("seq{seq}.input_ids"))?;
-            let reference = fixture.tensor(&format!("seq{seq}.logits_f32"))?;
-            // Chunks shorter than, equal to and longer than the conv kernel.
-            for chunk in [2, 3, 5, 16] {
-                if chunk >= ids.len() {
-                    continue;
-                }
-                let mut driver = Driver::new(&model, 1)?;
-                let logits = driver.run_chunked(&ids, std::iter::repeat(chunk))?;
-                assert_logits_close(
-                    &fixture,
-                    &format!("seq{seq} chunks of {chunk}"),
-                    &logits,
-                    reference,
-                )?;
+    for_each_sequence(|fixture, model, seq, ids, reference| {
+        // Chunks shorter than, equal to and longer than the conv kernel.
+        for chunk in [2, 3, 5, 16] {
+            if chunk >= ids.len() {
+                continue;
             }
+            let mut driver = Driver::new(model, 1)?;
+            let logits = driver.run_chunked(ids, std::iter::repeat(chunk))?;
+            assert_logits_close(
+                fixture,
+                &format!("seq{seq} chunks of {chunk}"),
+                &logits,
+                reference,
+            )?;
         }
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 #[test]

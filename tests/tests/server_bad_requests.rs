@@ -40,32 +40,6 @@ fn normal_answer(server: &Server, fixture: &Fixture) -> Result<serde_json::Value
     }))
 }
 
-/// Posts `body` as a chat completion and asserts an HTTP 4xx whose body
-/// mentions `names`.
-fn assert_rejected(server: &Server, what: &str, body: &str, names: &str) -> Result<()> {
-    assert_rejected_at(server, CHAT, what, body, names)
-}
-
-/// Posts `body` to `path` and asserts an HTTP 4xx whose body mentions `names`.
-fn assert_rejected_at(
-    server: &Server,
-    path: &str,
-    what: &str,
-    body: &str,
-    names: &str,
-) -> Result<()> {
-    let (status, response) = server.post_raw(path, body)?;
-    assert!(
-        (400..500).contains(&status),
-        "{what}: expected an HTTP 4xx, got {status}: {response}"
-    );
-    assert!(
-        response.contains(names),
-        "{what}: HTTP {status} but the body does not mention {names:?}: {response}"
-    );
-    Ok(())
-}
-
 /// The server is alive, did not panic and gives the same answer as `before`.
 fn assert_still_serving(
     server: &mut Server,
@@ -192,7 +166,7 @@ fn bad_requests_get_a_4xx_naming_the_problem_and_the_server_keeps_serving() -> R
         ),
     ];
     for (what, body, names) in &cases {
-        assert_rejected(&server, what, body, names)?;
+        server.assert_rejected(CHAT, body, names, what)?;
     }
     assert_still_serving(&mut server, &fixture, &before)
 }
@@ -202,7 +176,7 @@ fn rejected_alone(what: &str, body: &str, names: &str) -> Result<()> {
     let fixture = Fixture::load("trained-tiny")?;
     let mut server = start(&fixture)?;
     let before = normal_answer(&server, &fixture)?;
-    assert_rejected(&server, what, body, names)?;
+    server.assert_rejected(CHAT, body, names, what)?;
     assert_still_serving(&mut server, &fixture, &before)
 }
 
@@ -241,7 +215,7 @@ fn bad_plain_completions_get_a_4xx_naming_the_problem() -> Result<()> {
         ),
     ];
     for (what, extra, names) in cases {
-        assert_rejected_at(&server, COMPLETIONS, what, &completion(extra), names)?;
+        server.assert_rejected(COMPLETIONS, &completion(extra), names, what)?;
     }
     assert_still_serving(&mut server, &fixture, &before)
 }

@@ -7,7 +7,9 @@
 //! `reasoning_content` and schema-typed `tool_calls`, streamed and not.
 
 use anyhow::{Context, Result};
-use berrylm_tests::chat::{arguments, assemble, golden_chat_request, tool_call_message};
+use berrylm_tests::chat::{
+    arguments, assert_call, chat_answer, golden_chat_request, reasoning, tool_call_message,
+};
 use berrylm_tests::server::Server;
 use berrylm_tests::Fixture;
 use serde_json::{json, Value};
@@ -41,21 +43,16 @@ fn the_server_renders_every_golden_prompt_exactly_as_transformers() -> Result<()
     // The conversation with a tool call and its result in the history: the
     // model answers from the tool's output as the reference did.
     let history = &sequences[4];
-    let (status, response) = server.post(
-        "/v1/chat/completions",
-        &golden_chat_request(history, 64, false)?,
-    )?;
-    assert_eq!(status, 200, "{response}");
-    let message = &response["choices"][0]["message"];
+    let (message, _) = chat_answer(&server, &golden_chat_request(history, 64, false)?)?;
     assert_eq!(
-        message["reasoning_content"].as_str().map(str::trim),
+        reasoning(&message),
         Some("The tool says it is 18 degrees and cloudy."),
-        "{response}"
+        "{message}"
     );
     assert_eq!(
         message["content"].as_str().map(str::trim),
         Some("In Paris it is 18 degrees and cloudy."),
-        "{response}"
+        "{message}"
     );
     Ok(())
 }
@@ -113,16 +110,14 @@ fn a_pinned_output_gives_reasoning_and_typed_parallel_tool_calls() -> Result<()>
     // The reasoning the model writes by itself, which the grammar leaves as is.
     let (status, free) = server.post("/v1/chat/completions", &free_request(&fixture, false))?;
     assert_eq!(status, 200, "{free}");
-    let reasoning = free["choices"][0]["message"]["reasoning_content"]
-        .as_str()
-        .map(str::trim)
-        .filter(|reasoning| !reasoning.is_empty())
+    let free_reasoning = reasoning(&free["choices"][0]["message"])
+        .filter(|text| !text.is_empty())
         .context("the free answer has no reasoning")?
         .to_string();
 
     let (status, response) =
         server.post("/v1/chat/completions", &pinned_request(&fixture, false))?;
-    let message = tool_call_message(status, &response, &reasoning);
+    let message = tool_call_message(status, &response, &free_reasoning);
     let calls = message["tool_calls"].as_array().context("tool_calls")?;
     assert_eq!(calls.len(), expected_calls.len(), "{response}");
     for (call, (name, args)) in calls.iter().zip(&expected_calls) {
@@ -135,20 +130,18 @@ fn a_pinned_output_gives_reasoning_and_typed_parallel_tool_calls() -> Result<()>
         );
     }
 
-    let (status, chunks) =
-        server.post_stream("/v1/chat/completions", &pinned_request(&fixture, true))?;
-    assert_eq!(status, 200);
-    let (streamed, finish_reason) = assemble(&chunks);
-    assert_eq!(finish_reason.as_deref(), Some("tool_calls"), "{chunks:?}");
+    let (streamed, finish_reason) = chat_answer(&server, &pinned_request(&fixture, true))?;
+    let context = streamed.to_string();
+    assert_eq!(finish_reason, "tool_calls", "{context}");
     assert_eq!(
-        streamed["reasoning_content"].as_str().map(str::trim),
-        Some(reasoning.as_str())
+        reasoning(&streamed),
+        Some(free_reasoning.as_str()),
+        "{context}"
     );
     let calls = streamed["tool_calls"].as_array().context("tool_calls")?;
-    assert_eq!(calls.len(), expected_calls.len(), "{chunks:?}");
+    assert_eq!(calls.len(), expected_calls.len(), "{context}");
     for (call, (name, args)) in calls.iter().zip(&expected_calls) {
-        assert_eq!(call["name"], json!(name), "{chunks:?}");
-        assert_eq!(arguments(&call["arguments"]), *args, "{chunks:?}");
+        assert_call(call, name, args, &context);
     }
     Ok(())
 }

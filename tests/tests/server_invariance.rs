@@ -98,15 +98,7 @@ fn a_repeated_prompt_gives_the_cold_run_tokens_with_prefix_caching() -> Result<(
 #[test]
 fn a_prompt_one_token_past_a_cached_one_gives_the_cold_run_tokens() -> Result<()> {
     let server = start()?;
-    let cached = prompt(5, 64);
-    let request = serde_json::json!({
-        "model": "default",
-        "prompt": cached,
-        "temperature": 0.0,
-        "max_tokens": 1,
-    });
-    let (status, response) = server.post("/v1/completions", &request)?;
-    anyhow::ensure!(status == 200, "HTTP {status}: {response}");
+    let response = server.completion(&prompt(5, 64), 1)?;
     assert_eq!(response["usage"]["prompt_tokens"], 64, "{response}");
 
     let extended = prompt(5, 65);

@@ -5,7 +5,7 @@
 
 use anyhow::{Context, Result};
 use berrylm_tests::server::Server;
-use berrylm_tests::Fixture;
+use berrylm_tests::{number, Fixture};
 use candle_core::{IndexOp, D};
 use serde_json::{json, Value};
 
@@ -26,9 +26,7 @@ fn request(fixture: &Fixture, stream: bool) -> Value {
 /// Checks one `logprobs.content` entry's shape; returns (token, logprob).
 fn entry_shape(entry: &Value) -> Result<(String, f64)> {
     let token = entry["token"].as_str().context("`token` is not a string")?;
-    let logprob = entry["logprob"]
-        .as_f64()
-        .context("`logprob` is not a number")?;
+    let logprob = number(entry, "logprob")?;
     anyhow::ensure!(logprob <= 0.0, "a log-probability above 0: {entry}");
     let top = entry["top_logprobs"]
         .as_array()
@@ -43,9 +41,7 @@ fn entry_shape(entry: &Value) -> Result<(String, f64)> {
         let text = alternative["token"]
             .as_str()
             .context("an alternative's `token` is not a string")?;
-        let value = alternative["logprob"]
-            .as_f64()
-            .context("an alternative's `logprob` is not a number")?;
+        let value = number(alternative, "logprob")?;
         let bytes: Vec<u8> = alternative["bytes"]
             .as_array()
             .context("an alternative's `bytes` is not a list")?

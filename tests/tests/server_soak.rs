@@ -23,8 +23,8 @@ use std::path::Path;
 use std::process::Command;
 
 use anyhow::{ensure, Context, Result};
-use berrylm_tests::fixtures_dir;
 use berrylm_tests::server::Server;
+use berrylm_tests::{fixtures_dir, number};
 
 const CLIENTS: &str = "32";
 const MINUTES: &str = "2";
@@ -125,12 +125,8 @@ fn a_two_minute_soak_fails_no_request_frees_every_slot_and_keeps_memory_flat() -
         "KV blocks still in use after the clients: {occupancy:#}"
     );
 
-    let first_minute = figures["rss_first_minute_bytes"]
-        .as_f64()
-        .context("no RSS after the first minute")?;
-    let at_end = figures["rss_end_bytes"]
-        .as_f64()
-        .context("no RSS at the end")?;
+    let first_minute = number(&figures, "rss_first_minute_bytes")?;
+    let at_end = number(&figures, "rss_end_bytes")?;
     ensure!(
         at_end <= first_minute * 1.1,
         "resident memory grew from {first_minute} bytes after the first minute to {at_end} at the \

@@ -5,7 +5,7 @@
 //! constrains from the first token. Streamed and not.
 
 use anyhow::{Context, Result};
-use berrylm_tests::chat::chat_answer;
+use berrylm_tests::chat::{chat_answer, reasoning};
 use berrylm_tests::server::Server;
 use berrylm_tests::Fixture;
 use serde_json::{json, Map, Value};
@@ -79,13 +79,31 @@ fn server_and_free_reasoning() -> Result<(Server, String)> {
     let fixture = Fixture::load("trained-tiny")?;
     let server = Server::start(&fixture.model_dir, &["--dtype", "f32"])?;
     let (free, _) = chat_answer(&server, &request(true, false, &[]))?;
-    let free_reasoning = free["reasoning_content"]
-        .as_str()
+    let free_reasoning = reasoning(&free)
         .context("the unconstrained answer has no reasoning")?
-        .trim()
         .to_string();
     anyhow::ensure!(!free_reasoning.is_empty(), "{free}");
     Ok((server, free_reasoning))
+}
+
+/// The message `server` answers `body` with, checked to keep the free
+/// reasoning and to stop, and its description for failures (`what`, then
+/// the message).
+fn answer_after_free_reasoning(
+    server: &Server,
+    body: &Value,
+    free_reasoning: &str,
+    what: &str,
+) -> Result<(Value, String)> {
+    let (message, finish_reason) = chat_answer(server, body)?;
+    let context = format!("{what}: {message}");
+    assert_eq!(
+        reasoning(&message),
+        Some(free_reasoning),
+        "the reasoning is not the free one: {context}"
+    );
+    assert_eq!(finish_reason, "stop", "{context}");
+    Ok((message, context))
 }
 
 #[test]
@@ -95,14 +113,12 @@ fn json_schema_constrains_the_answer_after_free_reasoning() -> Result<()> {
     let mut answers = Vec::new();
     for stream in [false, true] {
         let body = request(true, stream, &[("response_format", json_schema_format())]);
-        let (message, finish_reason) = chat_answer(&server, &body)?;
-        let context = format!("stream {stream}: {message}");
-        assert_eq!(
-            message["reasoning_content"].as_str().map(str::trim),
-            Some(free_reasoning.as_str()),
-            "the reasoning is not the free one: {context}"
-        );
-        assert_eq!(finish_reason, "stop", "{context}");
+        let (message, context) = answer_after_free_reasoning(
+            &server,
+            &body,
+            &free_reasoning,
+            &format!("stream {stream}"),
+        )?;
         answers.push(assert_forecast(&message["content"], &context));
     }
     assert_eq!(answers[0], answers[1], "streamed and not differ");
@@ -130,14 +146,9 @@ fn regex_and_lark_grammars_apply_after_the_reasoning() -> Result<()> {
     for grammar in grammars {
         for stream in [false, true] {
             let body = request(true, stream, &[("grammar", grammar.clone())]);
-            let (message, finish_reason) = chat_answer(&server, &body)?;
-            let context = format!("{grammar}, stream {stream}: {message}");
-            assert_eq!(
-                message["reasoning_content"].as_str().map(str::trim),
-                Some(free_reasoning.as_str()),
-                "{context}"
-            );
-            assert_eq!(finish_reason, "stop", "{context}");
+            let what = format!("{grammar}, stream {stream}");
+            let (message, context) =
+                answer_after_free_reasoning(&server, &body, &free_reasoning, &what)?;
             assert!(
                 ["sunny in Oslo", "cloudy in Oslo", "rainy in Oslo"]
                     .contains(&message["content"].as_str().unwrap_or_default()),

@@ -7,7 +7,7 @@
 
 use anyhow::{Context, Result};
 use berrylm_tests::chat::{
-    arguments, assert_golden_weather_call, chat_answer, golden_chat_request,
+    arguments, assert_golden_weather_call, chat_answer, golden_chat_request, reasoning,
 };
 use berrylm_tests::server::Server;
 use berrylm_tests::Fixture;
@@ -99,39 +99,30 @@ fn required_and_named_force_a_typed_call_to_an_offered_tool() -> Result<()> {
     }
 
     // The weather question names get_time: the model reasons as it would
-    // (towards get_weather) and then calls get_time.
-    let get_time = json!({"type": "function", "function": {"name": "get_time"}});
-    for stream in [false, true] {
-        let (message, finish_reason) = chat_answer(
-            &server,
-            &with_tool_choice(weather.clone(), get_time.clone(), stream),
-        )?;
-        let context = format!("named get_time, stream {stream}: {message}");
-        assert_eq!(finish_reason, "tool_calls", "{context}");
-        assert_eq!(
-            message["reasoning_content"].as_str().map(str::trim),
-            Some(WEATHER_REASONING),
-            "{context}"
-        );
-        let calls = message["tool_calls"].as_array().context("tool_calls")?;
-        assert_eq!(calls.len(), 1, "{context}");
-        assert_eq!(assert_typed_call(&calls[0], &context), "get_time");
-    }
-
-    // The time question without thinking names get_weather.
+    // (towards get_weather) and then calls get_time. The time question
+    // without thinking names get_weather.
     let time = golden_chat_request(&fixture.facts["sequences"][3], 160, false)?;
     assert_eq!(time["enable_thinking"], json!(false));
-    let get_weather = json!({"type": "function", "function": {"name": "get_weather"}});
-    for stream in [false, true] {
-        let (message, finish_reason) = chat_answer(
-            &server,
-            &with_tool_choice(time.clone(), get_weather.clone(), stream),
-        )?;
-        let context = format!("named get_weather, stream {stream}: {message}");
-        assert_eq!(finish_reason, "tool_calls", "{context}");
-        let calls = message["tool_calls"].as_array().context("tool_calls")?;
-        assert_eq!(calls.len(), 1, "{context}");
-        assert_eq!(assert_typed_call(&calls[0], &context), "get_weather");
+    let named_cases = [
+        (&weather, "get_time", Some(WEATHER_REASONING)),
+        (&time, "get_weather", None),
+    ];
+    for (request, named, expected_reasoning) in named_cases {
+        let tool_choice = json!({"type": "function", "function": {"name": named}});
+        for stream in [false, true] {
+            let (message, finish_reason) = chat_answer(
+                &server,
+                &with_tool_choice(request.clone(), tool_choice.clone(), stream),
+            )?;
+            let context = format!("named {named}, stream {stream}: {message}");
+            assert_eq!(finish_reason, "tool_calls", "{context}");
+            if let Some(expected) = expected_reasoning {
+                assert_eq!(reasoning(&message), Some(expected), "{context}");
+            }
+            let calls = message["tool_calls"].as_array().context("tool_calls")?;
+            assert_eq!(calls.len(), 1, "{context}");
+            assert_eq!(assert_typed_call(&calls[0], &context), named);
+        }
     }
 
     // `auto` is the model's own choice: the golden get_weather call.
@@ -158,11 +149,7 @@ fn tool_choice_none_returns_no_tool_calls() -> Result<()> {
             assert_eq!(message["tool_calls"], json!([]), "{context}");
             assert_ne!(finish_reason, "tool_calls", "{context}");
             if sequence == 2 {
-                assert_eq!(
-                    message["reasoning_content"].as_str().map(str::trim),
-                    Some(WEATHER_REASONING),
-                    "{context}"
-                );
+                assert_eq!(reasoning(&message), Some(WEATHER_REASONING), "{context}");
             }
         }
     }
@@ -188,15 +175,8 @@ fn a_tool_choice_the_request_cannot_honour_is_refused_naming_it() -> Result<()> 
     for (request, tool_choice, named) in cases {
         for stream in [false, true] {
             let body = with_tool_choice(request.clone(), tool_choice.clone(), stream);
-            let (status, text) = server.post_raw(CHAT, &body.to_string())?;
-            assert!(
-                (400..500).contains(&status),
-                "{tool_choice}, stream {stream}: HTTP {status}: {text}"
-            );
-            assert!(
-                text.contains(named),
-                "{tool_choice}, stream {stream}: the error does not name {named:?}: {text}"
-            );
+            let what = format!("{tool_choice}, stream {stream}");
+            server.assert_rejected(CHAT, &body.to_string(), named, &what)?;
         }
     }
     // The server still answers.

@@ -5,11 +5,17 @@
 
 use anyhow::Result;
 use berrylm_tests::chat::{
-    arguments, assemble, assert_golden_weather_call, golden_chat_request, tool_call_message,
+    arguments, assert_call, assert_golden_weather_call, chat_answer, golden_chat_request,
+    reasoning, tool_call_message,
 };
 use berrylm_tests::server::Server;
 use berrylm_tests::Fixture;
 use serde_json::json;
+
+/// What the model reasons before calling `get_weather` for "What is the
+/// weather in Oslo?" (trained-tiny's golden sequence 2).
+const WEATHER_REASONING: &str =
+    "The user asks about the weather in Oslo. I should call get_weather.";
 
 #[test]
 fn reasoning_and_typed_tool_calls_come_back_streamed_and_not() -> Result<()> {
@@ -23,11 +29,7 @@ fn reasoning_and_typed_tool_calls_come_back_streamed_and_not() -> Result<()> {
         "/v1/chat/completions",
         &golden_chat_request(weather, 96, false)?,
     )?;
-    let message = tool_call_message(
-        status,
-        &response,
-        "The user asks about the weather in Oslo. I should call get_weather.",
-    );
+    let message = tool_call_message(status, &response, WEATHER_REASONING);
     assert!(
         message["content"]
             .as_str()
@@ -53,48 +55,32 @@ fn reasoning_and_typed_tool_calls_come_back_streamed_and_not() -> Result<()> {
     );
 
     // Streaming: the same message, assembled from deltas.
-    let (status, chunks) = server.post_stream(
-        "/v1/chat/completions",
-        &golden_chat_request(weather, 96, true)?,
-    )?;
-    assert_eq!(status, 200);
-    let (streamed, finish_reason) = assemble(&chunks);
-    assert_eq!(
-        streamed["reasoning_content"].as_str().map(str::trim),
-        Some("The user asks about the weather in Oslo. I should call get_weather.")
-    );
-    assert_golden_weather_call(&streamed, finish_reason.as_deref().unwrap_or_default());
+    let (streamed, finish_reason) = chat_answer(&server, &golden_chat_request(weather, 96, true)?)?;
+    assert_eq!(reasoning(&streamed), Some(WEATHER_REASONING), "{streamed}");
+    assert_golden_weather_call(&streamed, &finish_reason);
 
     // Thinking disabled: no reasoning, a get_time call.
-    let (status, response) = server.post(
-        "/v1/chat/completions",
+    let (message, _) = chat_answer(
+        &server,
         &golden_chat_request(time_without_thinking, 96, false)?,
     )?;
-    assert_eq!(status, 200, "{response}");
-    let message = &response["choices"][0]["message"];
-    assert!(message["reasoning_content"].is_null(), "{response}");
-    assert_eq!(
-        message["tool_calls"][0]["function"]["name"],
-        json!("get_time"),
-        "{response}"
-    );
-    assert_eq!(
-        arguments(&message["tool_calls"][0]["function"]["arguments"]),
-        json!({"city": "Lima"})
+    assert!(message["reasoning_content"].is_null(), "{message}");
+    assert_call(
+        &message["tool_calls"][0],
+        "get_time",
+        &json!({"city": "Lima"}),
+        &message.to_string(),
     );
 
     // Without tools: reasoning then content, streamed.
     let greeting = &fixture.facts["sequences"][1];
-    let (status, chunks) = server.post_stream(
-        "/v1/chat/completions",
-        &golden_chat_request(greeting, 96, true)?,
-    )?;
-    assert_eq!(status, 200);
-    let (streamed, finish_reason) = assemble(&chunks);
-    assert_eq!(finish_reason.as_deref(), Some("stop"), "{chunks:?}");
+    let (streamed, finish_reason) =
+        chat_answer(&server, &golden_chat_request(greeting, 96, true)?)?;
+    assert_eq!(finish_reason, "stop", "{streamed}");
     assert_eq!(
-        streamed["reasoning_content"].as_str().map(str::trim),
-        Some("The user greets me.")
+        reasoning(&streamed),
+        Some("The user greets me."),
+        "{streamed}"
     );
     assert_eq!(
         streamed["content"].as_str().map(str::trim),

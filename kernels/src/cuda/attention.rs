@@ -47,56 +47,58 @@ const MAX_HEAD_DIM: usize = 512;
 /// of the kernels' `cp.async` row loads.
 const ALIGN: usize = 8;
 
-/// CUDA `causal_attention`; arguments already validated by the caller.
-pub(crate) fn causal_attention(args: &CausalAttentionArgs<'_>) -> Result<Tensor> {
-    let head_dim = args.head_dim;
-    if head_dim > MAX_HEAD_DIM {
-        return Err(invalid_argument(
-            OP,
-            "q",
-            format!("head dim {head_dim} exceeds the CUDA kernels' {MAX_HEAD_DIM}"),
-        ));
+impl CausalAttentionArgs<'_> {
+    /// CUDA `causal_attention`; arguments already validated by the caller.
+    pub(crate) fn cuda(&self) -> Result<Tensor> {
+        let head_dim = self.head_dim;
+        if head_dim > MAX_HEAD_DIM {
+            return Err(invalid_argument(
+                OP,
+                "q",
+                format!("head dim {head_dim} exceeds the CUDA kernels' {MAX_HEAD_DIM}"),
+            ));
+        }
+        let mut launch = Launch::new(OP, self.q)?;
+        let q = if self.q.is_contiguous() && self.q.layout().start_offset().is_multiple_of(ALIGN) {
+            launch.push_input("q", self.q.clone())?
+        } else {
+            launch.push_input("q", self.q.force_contiguous()?)?
+        };
+        let (k, k_strides) = strided_input(&mut launch, "k", self.k)?;
+        let (v, v_strides) = strided_input(&mut launch, "v", self.v)?;
+        let dtype = launch.dtype(q);
+        let out = launch.output((self.batch, self.heads, self.queries, head_dim), dtype)?;
+        let outputs = launch.run(|p| {
+            // SAFETY: `q` is contiguous `[batch, heads, queries, head_dim]` and
+            // `out` freshly allocated of that shape; `k` and `v` span
+            // `[batch, kv_heads, keys, head_dim]` at the strides given from their
+            // first elements; all of one dtype, on candle's stream.
+            Ok(unsafe {
+                berrylm_causal_attention(
+                    dtype_code(OP, dtype)?,
+                    p.input(q),
+                    p.input(k),
+                    p.input(v),
+                    p.output(out),
+                    c_size(OP, "q", self.batch)?,
+                    c_size(OP, "q", self.heads)?,
+                    c_size(OP, "k", self.kv_heads)?,
+                    c_size(OP, "q", self.queries)?,
+                    c_size(OP, "k", self.keys)?,
+                    c_size(OP, "q", head_dim)?,
+                    k_strides[0],
+                    k_strides[1],
+                    k_strides[2],
+                    v_strides[0],
+                    v_strides[1],
+                    v_strides[2],
+                    self.softmax_scale,
+                    p.stream(),
+                )
+            })
+        })?;
+        Ok(outputs.tensor(out))
     }
-    let mut launch = Launch::new(OP, args.q)?;
-    let q = if args.q.is_contiguous() && args.q.layout().start_offset().is_multiple_of(ALIGN) {
-        launch.push_input("q", args.q.clone())?
-    } else {
-        launch.push_input("q", args.q.force_contiguous()?)?
-    };
-    let (k, k_strides) = strided_input(&mut launch, "k", args.k)?;
-    let (v, v_strides) = strided_input(&mut launch, "v", args.v)?;
-    let dtype = launch.dtype(q);
-    let out = launch.output((args.batch, args.heads, args.queries, head_dim), dtype)?;
-    let outputs = launch.run(|p| {
-        // SAFETY: `q` is contiguous `[batch, heads, queries, head_dim]` and
-        // `out` freshly allocated of that shape; `k` and `v` span
-        // `[batch, kv_heads, keys, head_dim]` at the strides given from their
-        // first elements; all of one dtype, on candle's stream.
-        Ok(unsafe {
-            berrylm_causal_attention(
-                dtype_code(OP, dtype)?,
-                p.input(q),
-                p.input(k),
-                p.input(v),
-                p.output(out),
-                c_size(OP, "q", args.batch)?,
-                c_size(OP, "q", args.heads)?,
-                c_size(OP, "k", args.kv_heads)?,
-                c_size(OP, "q", args.queries)?,
-                c_size(OP, "k", args.keys)?,
-                c_size(OP, "q", head_dim)?,
-                k_strides[0],
-                k_strides[1],
-                k_strides[2],
-                v_strides[0],
-                v_strides[1],
-                v_strides[2],
-                args.softmax_scale,
-                p.stream(),
-            )
-        })
-    })?;
-    Ok(outputs.tensor(out))
 }
 
 /// Declares the rank-4 `tensor` as an input read at its batch, head and row

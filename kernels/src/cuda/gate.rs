@@ -32,27 +32,29 @@ extern "C" {
     ) -> c_int;
 }
 
-/// CUDA `kda_gate`; arguments already validated by the caller.
-pub(crate) fn kda_gate(args: &KdaGateArgs<'_>) -> Result<Tensor> {
-    const OP: &str = "kda_gate";
-    let mut launch = Launch::new(OP, args.raw)?;
-    let raw = launch.input("raw", args.raw)?;
-    let a_log = launch.input_as("a_log", args.a_log, DType::F32)?;
-    let dt_bias = launch.input_as("dt_bias", args.dt_bias, DType::F32)?;
-    let raw_dtype = launch.dtype(raw);
-    let out = launch.output(&[args.tokens, args.num_heads, args.head_dim], DType::F32)?;
-    let (has_lb, lb) = match args.lower_bound {
-        Some(bound) => (1, bound),
-        None => (0, 0.0),
-    };
-    let outputs = run_kernel!(launch => berrylm_kda_gate(
-        dtype(raw_dtype), input(raw), input(a_log), input(dt_bias), output(out),
-        args.tokens as i64,
-        c_size(OP, "raw", args.num_heads * args.head_dim)?,
-        c_size(OP, "raw", args.head_dim)?,
-        has_lb, lb
-    ))?;
-    Ok(outputs.tensor(out))
+impl KdaGateArgs<'_> {
+    /// CUDA `kda_gate`; arguments already validated by the caller.
+    pub(crate) fn cuda(&self) -> Result<Tensor> {
+        const OP: &str = "kda_gate";
+        let mut launch = Launch::new(OP, self.raw)?;
+        let raw = launch.input("raw", self.raw)?;
+        let a_log = launch.input_as("a_log", self.a_log, DType::F32)?;
+        let dt_bias = launch.input_as("dt_bias", self.dt_bias, DType::F32)?;
+        let raw_dtype = launch.dtype(raw);
+        let out = launch.output(&[self.tokens, self.num_heads, self.head_dim], DType::F32)?;
+        let (has_lb, lb) = match self.lower_bound {
+            Some(bound) => (1, bound),
+            None => (0, 0.0),
+        };
+        let outputs = run_kernel!(launch => berrylm_kda_gate(
+            dtype(raw_dtype), input(raw), input(a_log), input(dt_bias), output(out),
+            self.tokens as i64,
+            c_size(OP, "raw", self.num_heads * self.head_dim)?,
+            c_size(OP, "raw", self.head_dim)?,
+            has_lb, lb
+        ))?;
+        Ok(outputs.tensor(out))
+    }
 }
 
 /// CUDA `kda_beta`; the dtype already validated by the caller.

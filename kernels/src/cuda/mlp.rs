@@ -48,22 +48,26 @@ pub(crate) fn swiglu(gate_up: &Tensor, intermediate: usize, out_dims: &[usize]) 
     Ok(outputs.tensor(out))
 }
 
-/// CUDA `add_moe_output`; arguments already validated by the caller.
-pub(crate) fn add_moe_output(args: &AddMoeOutputArgs<'_>) -> Result<Tensor> {
-    const OP: &str = "add_moe_output";
-    let hidden = args.hidden;
-    let mut launch = Launch::new(OP, args.residual)?;
-    let residual = launch.input("residual", args.residual)?;
-    let routed = launch.input("routed", args.routed)?;
-    let shared = launch.input("shared", args.shared)?;
-    let gate_logit = launch.input("gate_logit", args.gate_logit)?;
-    let dtype = launch.dtype(residual);
-    let shape = launch.shape(residual).clone();
-    let rows = shape.elem_count() / hidden.max(1);
-    let out = launch.output(shape, dtype)?;
-    let outputs = run_kernel!(launch => berrylm_add_moe_output(
-        dtype(dtype), input(residual), input(routed), input(shared), input(gate_logit),
-        output(out), rows as i64, c_size(OP, "residual", hidden)?
-    ))?;
-    Ok(outputs.tensor(out))
+impl AddMoeOutputArgs<'_> {
+    /// CUDA `add_moe_output`; arguments already validated by the caller.
+    pub(crate) fn cuda(&self) -> Result<Tensor> {
+        const OP: &str = "add_moe_output";
+        let hidden = self.hidden;
+        let mut launch = Launch::new(OP, self.residual)?;
+        let [residual, routed, shared, gate_logit] = launch.inputs([
+            ("residual", self.residual),
+            ("routed", self.routed),
+            ("shared", self.shared),
+            ("gate_logit", self.gate_logit),
+        ])?;
+        let dtype = launch.dtype(residual);
+        let shape = launch.shape(residual).clone();
+        let rows = shape.elem_count() / hidden.max(1);
+        let out = launch.output(shape, dtype)?;
+        let outputs = run_kernel!(launch => berrylm_add_moe_output(
+            dtype(dtype), input(residual), input(routed), input(shared), input(gate_logit),
+            output(out), rows as i64, c_size(OP, "residual", hidden)?
+        ))?;
+        Ok(outputs.tensor(out))
+    }
 }

@@ -3,7 +3,9 @@
 //! The kernels live in `src/cuda/*.cu`; `build.rs` compiles them with nvcc
 //! into the static library `libberrylmkernels.a`, whose C symbols are all
 //! prefixed `berrylm_`. The bindings live one file per operation, mirroring
-//! `src/{op}.rs`; this module holds what they share, [`Launch`]: inputs are
+//! `src/{op}.rs` (an operation that validates its arguments into a struct
+//! `{Op}Args` has its binding as that struct's `cuda` method); this module
+//! holds what they share, [`Launch`]: inputs are
 //! made contiguous, the small parameter tensors are widened to `f32`
 //! (exact), outputs are allocated uninitialised on the same device, and
 //! every kernel is launched on candle's stream of that device, so the order
@@ -84,17 +86,14 @@ mod recurrence;
 mod rope;
 mod route;
 
-pub(crate) use attention::causal_attention;
 pub(crate) use attn_res::attn_res_mix;
 pub(crate) use conv::{causal_conv1d, causal_conv1d_in_pool};
-pub(crate) use gate::{kda_beta, kda_gate};
+pub(crate) use gate::kda_beta;
 pub(crate) use gate_mul::sigmoid_gate_mul;
-pub(crate) use mlp::{add_moe_output, swiglu};
+pub(crate) use mlp::swiglu;
 pub(crate) use moe::moe_experts;
-pub(crate) use norm::{gated_rms_norm, offset_rms_norm};
+pub(crate) use norm::offset_rms_norm;
 pub(crate) use recurrence::{kda_recurrence, kda_recurrence_in_pool};
-pub(crate) use rope::offset_rms_norm_rope;
-pub(crate) use route::moe_route;
 
 /// Dtype codes understood by the kernels (`berrylm::DTypeCode` in common.cuh).
 const DTYPE_F32: c_int = 0;
@@ -197,6 +196,16 @@ impl Launch {
     /// Declares `tensor` as an input read in its own dtype, made contiguous.
     fn input(&mut self, name: &'static str, tensor: &Tensor) -> Result<In> {
         self.push_input(name, tensor.contiguous()?)
+    }
+
+    /// Declares each of `tensors` (with its name) as an [`Launch::input`],
+    /// in order.
+    fn inputs<const N: usize>(&mut self, tensors: [(&'static str, &Tensor); N]) -> Result<[In; N]> {
+        let mut inputs = [In(0); N];
+        for (input, (name, tensor)) in inputs.iter_mut().zip(tensors) {
+            *input = self.input(name, tensor)?;
+        }
+        Ok(inputs)
     }
 
     /// Declares `tensor` as an input read in `dtype` (converted when it has

@@ -38,27 +38,29 @@ extern "C" {
     ) -> c_int;
 }
 
-/// CUDA `gated_rms_norm`; arguments already validated by the caller.
-pub(crate) fn gated_rms_norm(args: &GatedRmsNormArgs<'_>) -> Result<Tensor> {
-    const OP: &str = "gated_rms_norm";
-    let (rows, width) = (args.rows, args.width);
-    let mut launch = Launch::new(OP, args.x)?;
-    let x = launch.input("x", args.x)?;
-    let x_dtype = launch.dtype(x);
-    // z is read in its own dtype when it matches x, else widened to f32.
-    let z_dtype = if args.z.dtype() == x_dtype {
-        x_dtype
-    } else {
-        DType::F32
-    };
-    let z = launch.input_as("z", args.z, z_dtype)?;
-    let weight = launch.input_as("weight", args.weight, DType::F32)?;
-    let out = launch.output(&[rows, width], x_dtype)?;
-    let outputs = run_kernel!(launch => berrylm_gated_rms_norm(
-        dtype(x_dtype), dtype(z_dtype), input(x), input(z), input(weight), output(out),
-        rows as i64, c_size(OP, "x", width)?, args.eps as f32
-    ))?;
-    Ok(outputs.tensor(out))
+impl GatedRmsNormArgs<'_> {
+    /// CUDA `gated_rms_norm`; arguments already validated by the caller.
+    pub(crate) fn cuda(&self) -> Result<Tensor> {
+        const OP: &str = "gated_rms_norm";
+        let (rows, width) = (self.rows, self.width);
+        let mut launch = Launch::new(OP, self.x)?;
+        let x = launch.input("x", self.x)?;
+        let x_dtype = launch.dtype(x);
+        // z is read in its own dtype when it matches x, else widened to f32.
+        let z_dtype = if self.z.dtype() == x_dtype {
+            x_dtype
+        } else {
+            DType::F32
+        };
+        let z = launch.input_as("z", self.z, z_dtype)?;
+        let weight = launch.input_as("weight", self.weight, DType::F32)?;
+        let out = launch.output(&[rows, width], x_dtype)?;
+        let outputs = run_kernel!(launch => berrylm_gated_rms_norm(
+            dtype(x_dtype), dtype(z_dtype), input(x), input(z), input(weight), output(out),
+            rows as i64, c_size(OP, "x", width)?, self.eps as f32
+        ))?;
+        Ok(outputs.tensor(out))
+    }
 }
 
 /// CUDA `offset_rms_norm` and `add_offset_rms_norm`; arguments already

@@ -33,32 +33,33 @@ extern "C" {
     ) -> c_int;
 }
 
-/// CUDA `offset_rms_norm_rope`; arguments already validated by the caller.
-pub(crate) fn offset_rms_norm_rope(args: &NormRopeArgs<'_>) -> Result<Tensor> {
-    const OP: &str = "offset_rms_norm_rope";
-    let (batch, seq_len, heads, width) = args.x.dims4()?;
-    let mut launch = Launch::new(OP, args.x)?;
-    let (x, x_stride) = launch.input_rows("x", args.x)?;
-    let scale = launch.input_as("scale", args.scale, DType::F32)?;
-    let cos = launch.input("cos", args.cos)?;
-    let sin = launch.input("sin", args.sin)?;
-    let dtype = launch.dtype(x);
-    let rows = batch * seq_len * heads;
-    // What candle's `mean_keepdim` multiplies the sum by, and the `eps` its
-    // `+ eps` adds, both rounded to f32 as candle rounds them.
-    let inv_width = (1.0 / width as f64) as f32;
-    let out = launch.output(&[batch, seq_len, heads, width], dtype)?;
-    // SAFETY (with `run_kernel!`'s): `x` is read as `rows` rows of `width`
-    // elements, `x_stride` elements apart from its first element, which its
-    // layout spans.
-    let outputs = run_kernel!(launch => berrylm_offset_rms_norm_rope(
-        dtype(dtype), input(x), x_stride as i64,
-        input(scale), input(cos), input(sin), output(out),
-        rows as i64,
-        c_size(OP, "x", heads)?,
-        c_size(OP, "x", width)?,
-        c_size(OP, "cos", args.rotary)?,
-        inv_width, args.eps as f32
-    ))?;
-    Ok(outputs.tensor(out))
+impl NormRopeArgs<'_> {
+    /// CUDA `offset_rms_norm_rope`; arguments already validated by the caller.
+    pub(crate) fn cuda(&self) -> Result<Tensor> {
+        const OP: &str = "offset_rms_norm_rope";
+        let (batch, seq_len, heads, width) = self.x.dims4()?;
+        let mut launch = Launch::new(OP, self.x)?;
+        let (x, x_stride) = launch.input_rows("x", self.x)?;
+        let scale = launch.input_as("scale", self.scale, DType::F32)?;
+        let [cos, sin] = launch.inputs([("cos", self.cos), ("sin", self.sin)])?;
+        let dtype = launch.dtype(x);
+        let rows = batch * seq_len * heads;
+        // What candle's `mean_keepdim` multiplies the sum by, and the `eps` its
+        // `+ eps` adds, both rounded to f32 as candle rounds them.
+        let inv_width = (1.0 / width as f64) as f32;
+        let out = launch.output(&[batch, seq_len, heads, width], dtype)?;
+        // SAFETY (with `run_kernel!`'s): `x` is read as `rows` rows of `width`
+        // elements, `x_stride` elements apart from its first element, which its
+        // layout spans.
+        let outputs = run_kernel!(launch => berrylm_offset_rms_norm_rope(
+            dtype(dtype), input(x), x_stride as i64,
+            input(scale), input(cos), input(sin), output(out),
+            rows as i64,
+            c_size(OP, "x", heads)?,
+            c_size(OP, "x", width)?,
+            c_size(OP, "cos", self.rotary)?,
+            inv_width, self.eps as f32
+        ))?;
+        Ok(outputs.tensor(out))
+    }
 }

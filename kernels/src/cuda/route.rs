@@ -27,36 +27,38 @@ extern "C" {
     ) -> c_int;
 }
 
-/// CUDA `moe_route`; arguments already validated by the caller.
-pub(crate) fn moe_route(args: &MoeRouteArgs<'_>) -> Result<(Tensor, Tensor)> {
-    const OP: &str = "moe_route";
-    let (rows, experts, top_k) = (args.rows, args.experts, args.top_k);
-    if experts > MAX_MOE_EXPERTS {
-        return Err(invalid_argument(
-            OP,
-            "router_logits",
-            format!("{experts} experts exceed the CUDA kernel's maximum {MAX_MOE_EXPERTS}"),
-        ));
+impl MoeRouteArgs<'_> {
+    /// CUDA `moe_route`; arguments already validated by the caller.
+    pub(crate) fn cuda(&self) -> Result<(Tensor, Tensor)> {
+        const OP: &str = "moe_route";
+        let (rows, experts, top_k) = (self.rows, self.experts, self.top_k);
+        if experts > MAX_MOE_EXPERTS {
+            return Err(invalid_argument(
+                OP,
+                "router_logits",
+                format!("{experts} experts exceed the CUDA kernel's maximum {MAX_MOE_EXPERTS}"),
+            ));
+        }
+        if rows > i32::MAX as usize {
+            return Err(invalid_argument(
+                OP,
+                "router_logits",
+                format!("{rows} rows exceed the CUDA kernel's maximum {}", i32::MAX),
+            ));
+        }
+        let mut launch = Launch::new(OP, self.router_logits)?;
+        let logits = launch.input("router_logits", self.router_logits)?;
+        let logits_dtype = launch.dtype(logits);
+        let weights = launch.output(&[rows, top_k], DType::F32)?;
+        let ids = launch.output(&[rows, top_k], DType::U32)?;
+        let outputs = run_kernel!(launch => berrylm_moe_route(
+            dtype(logits_dtype), input(logits), output(weights), output(ids),
+            rows as i64,
+            c_size(OP, "router_logits", experts)?,
+            c_size(OP, "top_k", top_k)?,
+            c_int::from(self.renormalize),
+            dtype(self.weight_dtype)
+        ))?;
+        Ok((outputs.tensor(weights), outputs.tensor(ids)))
     }
-    if rows > i32::MAX as usize {
-        return Err(invalid_argument(
-            OP,
-            "router_logits",
-            format!("{rows} rows exceed the CUDA kernel's maximum {}", i32::MAX),
-        ));
-    }
-    let mut launch = Launch::new(OP, args.router_logits)?;
-    let logits = launch.input("router_logits", args.router_logits)?;
-    let logits_dtype = launch.dtype(logits);
-    let weights = launch.output(&[rows, top_k], DType::F32)?;
-    let ids = launch.output(&[rows, top_k], DType::U32)?;
-    let outputs = run_kernel!(launch => berrylm_moe_route(
-        dtype(logits_dtype), input(logits), output(weights), output(ids),
-        rows as i64,
-        c_size(OP, "router_logits", experts)?,
-        c_size(OP, "top_k", top_k)?,
-        c_int::from(args.renormalize),
-        dtype(args.weight_dtype)
-    ))?;
-    Ok((outputs.tensor(weights), outputs.tensor(ids)))
 }
