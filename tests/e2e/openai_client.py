@@ -1,5 +1,8 @@
 """End-to-end check of a running `mistralrs serve` (with berrylm) through the
-official OpenAI Python client, on the bundled trained-tiny model.
+official OpenAI Python client, on the bundled trained-tiny model: the golden
+chats (reasoning, content, typed tool calls), `tool_choice`, `response_format`
+(json_schema and json_object, after free reasoning) and `logprobs`, each
+streamed and not.
 
 usage: openai_client.py BASE_URL GOLDEN_JSON
 Exits non-zero with a message on the first failed check.
@@ -8,6 +11,7 @@ Exits non-zero with a message on the first failed check.
 import json
 import sys
 
+import openai
 from openai import OpenAI
 
 
@@ -16,12 +20,12 @@ def check(condition, message):
         raise SystemExit(f"FAILED: {message}")
 
 
-def request_args(sequence, stream):
+def request_args(sequence, stream, max_tokens=96):
     args = {
         "model": "default",
         "messages": sequence["messages"],
         "temperature": 0.0,
-        "max_tokens": 96,
+        "max_tokens": max_tokens,
         "stream": stream,
     }
     if sequence["tools"]:
@@ -29,6 +33,11 @@ def request_args(sequence, stream):
     if not sequence["enable_thinking"]:
         args["extra_body"] = {"enable_thinking": False}
     return args
+
+
+def golden_reasoning(sequence):
+    """The reasoning of a golden greedy completion (the text before `</think>`)."""
+    return sequence["greedy_completion_text"].split("</think>")[0].strip()
 
 
 def extra(obj, name):
@@ -57,49 +66,233 @@ def assemble(stream):
     return content, reasoning, [calls[i] for i in sorted(calls)], finish
 
 
-def main():
-    base_url, golden_path = sys.argv[1], sys.argv[2]
-    sequences = json.load(open(golden_path))["sequences"]
-    greeting, weather = sequences[1], sequences[2]
-    client = OpenAI(base_url=base_url, api_key="not-needed")
+def answer(client, args):
+    """One chat completion, streamed or not, as (content, reasoning, calls, finish):
+    calls as {"id", "name", "arguments"} dicts."""
+    if args["stream"]:
+        return assemble(client.chat.completions.create(**args))
+    choice = client.chat.completions.create(**args).choices[0]
+    message = choice.message
+    check(message.role == "assistant", f"role {message.role}")
+    calls = []
+    for call in message.tool_calls or []:
+        check(call.type == "function", f"call type {call.type}")
+        calls.append({"id": call.id, "name": call.function.name, "arguments": call.function.arguments})
+    return message.content or "", extra(message, "reasoning_content") or "", calls, choice.finish_reason
 
-    models = client.models.list()
-    check(len(models.data) >= 1, "no model listed")
 
-    # Without tools, not streamed: reasoning then content.
+def assert_matches_schema(value, schema, context):
+    """Checks `value` against the JSON-schema keywords the test schemas use
+    (type, properties, required, additionalProperties, string length, integer bounds)."""
+    kind = schema.get("type")
+    if kind == "object":
+        check(isinstance(value, dict), f"not an object: {context}")
+        properties = schema.get("properties", {})
+        for key in schema.get("required", []):
+            check(key in value, f"required {key!r} missing: {context}")
+        if schema.get("additionalProperties", True) is False:
+            check(set(value) <= set(properties), f"keys beyond the schema's: {context}")
+        for key, item in value.items():
+            if key in properties:
+                assert_matches_schema(item, properties[key], context)
+    elif kind == "string":
+        check(isinstance(value, str), f"{value!r} is not a string: {context}")
+        check(schema.get("minLength", 0) <= len(value) <= schema.get("maxLength", len(value)),
+              f"{value!r} outside the length bounds: {context}")
+    elif kind == "integer":
+        check(isinstance(value, int) and not isinstance(value, bool), f"{value!r} is not an integer: {context}")
+        check(schema.get("minimum", value) <= value <= schema.get("maximum", value),
+              f"{value!r} outside the bounds: {context}")
+
+
+def assert_typed_call(call, tools, context):
+    """A call to one of `tools`, with an id and arguments valid against its
+    parameters' schema (only the parameters it declares); returns its name."""
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in tools}
+    check(call["id"], f"call without an id: {context}")
+    check(call["name"] in schemas, f"a call to {call['name']!r}, which is not offered: {context}")
+    arguments = json.loads(call["arguments"])
+    schema = dict(schemas[call["name"]], additionalProperties=False)
+    assert_matches_schema(arguments, schema, context)
+    check(all(value != "" for value in arguments.values()), f"an empty argument: {context}")
+    return call["name"]
+
+
+def check_golden_chats(client, greeting, weather):
+    """The golden greedy answers: reasoning then content, and a typed get_weather call."""
     response = client.chat.completions.create(**request_args(greeting, False))
     check(response.object == "chat.completion", f"object {response.object}")
     message = response.choices[0].message
     check(message.role == "assistant", f"role {message.role}")
-    check(extra(message, "reasoning_content").strip() == "The user greets me.",
+    check(extra(message, "reasoning_content").strip() == golden_reasoning(greeting),
           f"reasoning {extra(message, 'reasoning_content')!r}")
     check(message.content.strip() == "Hello! How can I help you today?", f"content {message.content!r}")
     check(not message.tool_calls, "unexpected tool calls")
     check(response.choices[0].finish_reason == "stop", f"finish {response.choices[0].finish_reason}")
 
-    # Without tools, streamed.
     content, reasoning, calls, finish = assemble(client.chat.completions.create(**request_args(greeting, True)))
-    check(reasoning.strip() == "The user greets me.", f"streamed reasoning {reasoning!r}")
+    check(reasoning.strip() == golden_reasoning(greeting), f"streamed reasoning {reasoning!r}")
     check(content.strip() == "Hello! How can I help you today?", f"streamed content {content!r}")
     check(not calls and finish == "stop", f"streamed calls {calls} finish {finish}")
 
-    # With tools, not streamed: a typed get_weather call.
-    response = client.chat.completions.create(**request_args(weather, False))
-    choice = response.choices[0]
-    check(choice.finish_reason == "tool_calls", f"finish {choice.finish_reason}")
-    calls = choice.message.tool_calls or []
-    check(len(calls) == 1, f"tool calls {calls}")
-    check(calls[0].type == "function" and calls[0].id, f"call {calls[0]}")
-    check(calls[0].function.name == "get_weather", f"name {calls[0].function.name}")
-    check(json.loads(calls[0].function.arguments) == {"city": "Oslo"}, f"arguments {calls[0].function.arguments}")
-    check("get_weather" in (extra(choice.message, "reasoning_content") or ""), "reasoning before the call")
+    for stream in [False, True]:
+        content, reasoning, calls, finish = answer(client, request_args(weather, stream))
+        context = f"weather, stream {stream}: {calls} {reasoning!r}"
+        check(finish == "tool_calls", f"finish {finish}: {context}")
+        check(len(calls) == 1 and calls[0]["id"] and calls[0]["name"] == "get_weather", context)
+        check(json.loads(calls[0]["arguments"]) == {"city": "Oslo"}, context)
+        check(reasoning.strip() == golden_reasoning(weather), context)
 
-    # With tools, streamed.
-    content, reasoning, calls, finish = assemble(client.chat.completions.create(**request_args(weather, True)))
-    check(finish == "tool_calls", f"streamed finish {finish}")
-    check(len(calls) == 1 and calls[0]["name"] == "get_weather" and calls[0]["id"], f"streamed calls {calls}")
-    check(json.loads(calls[0]["arguments"]) == {"city": "Oslo"}, f"streamed arguments {calls[0]['arguments']}")
-    check("get_weather" in reasoning, f"streamed reasoning {reasoning!r}")
+
+def check_tool_choice(client, greeting, weather, time_without_thinking):
+    tools = weather["tools"]
+    for stream in [False, True]:
+        # `none` on questions the model answers with a call by itself.
+        for sequence in [weather, time_without_thinking]:
+            args = dict(request_args(sequence, stream), tool_choice="none")
+            content, reasoning, calls, finish = answer(client, args)
+            context = f"none, {sequence['messages'][-1]['content']!r}, stream {stream}: {content!r} {calls}"
+            check(not calls and finish != "tool_calls", context)
+            if sequence["enable_thinking"]:
+                check(reasoning.strip() == golden_reasoning(sequence), context)
+
+        # `required` on "Hello!", which the model answers without a call by itself.
+        args = dict(request_args(greeting, stream, max_tokens=160), tools=tools, tool_choice="required")
+        content, reasoning, calls, finish = answer(client, args)
+        context = f"required, stream {stream}: {calls}"
+        check(finish == "tool_calls" and calls, context)
+        for call in calls:
+            assert_typed_call(call, tools, context)
+
+        # A named function the model would not call by itself: get_time for the
+        # weather question, after the reasoning it writes anyway.
+        args = dict(request_args(weather, stream, max_tokens=160),
+                    tool_choice={"type": "function", "function": {"name": "get_time"}})
+        content, reasoning, calls, finish = answer(client, args)
+        context = f"named get_time, stream {stream}: {calls} {reasoning!r}"
+        check(finish == "tool_calls" and len(calls) == 1, context)
+        check(assert_typed_call(calls[0], tools, context) == "get_time", context)
+        check(reasoning.strip() == golden_reasoning(weather), context)
+
+        # A named function the request does not offer: the client raises the 4xx.
+        args = dict(request_args(weather, stream),
+                    tool_choice={"type": "function", "function": {"name": "get_stock"}})
+        try:
+            answer(client, args)
+        except openai.APIStatusError as error:
+            check(400 <= error.status_code < 500, f"get_stock, stream {stream}: HTTP {error.status_code}")
+            check("get_stock" in str(error), f"get_stock, stream {stream}: the error does not name it: {error}")
+        else:
+            check(False, f"tool_choice get_stock, stream {stream}: answered")
+
+
+FORECAST_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "minLength": 1, "maxLength": 12},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+
+
+def check_structured_output(client):
+    """`response_format` with thinking on: the reasoning is the one the model
+    writes unconstrained, and the content after it is the constrained JSON."""
+    base = {
+        "model": "default",
+        "messages": [{"role": "user", "content": "What is the weather in Oslo?"}],
+        "temperature": 0.0,
+        "max_tokens": 160,
+    }
+    free = client.chat.completions.create(**base, stream=False).choices[0].message
+    free_reasoning = (extra(free, "reasoning_content") or "").strip()
+    check(free_reasoning, f"the unconstrained answer has no reasoning: {free}")
+
+    formats = {
+        "json_schema": {"type": "json_schema", "json_schema": {"name": "forecast", "schema": FORECAST_SCHEMA}},
+        "json_object": {"type": "json_object"},
+    }
+    for name, response_format in formats.items():
+        answers = []
+        for stream in [False, True]:
+            content, reasoning, calls, finish = answer(
+                client, dict(base, stream=stream, response_format=response_format))
+            context = f"{name}, stream {stream}: {reasoning!r} {content!r}"
+            check(reasoning.strip() == free_reasoning, f"the reasoning is not the free one: {context}")
+            check(finish == "stop" and not calls, context)
+            try:
+                value = json.loads(content)
+            except json.JSONDecodeError as error:
+                raise SystemExit(f"FAILED: content is not JSON ({error}): {context}")
+            check(isinstance(value, dict), f"content is not a JSON object: {context}")
+            if name == "json_schema":
+                check(set(value) == {"city", "days"}, context)
+                assert_matches_schema(value, FORECAST_SCHEMA, context)
+            answers.append(value)
+        check(answers[0] == answers[1], f"{name}: streamed and not differ: {answers}")
+
+
+def assert_logprob_entry(entry, top, context):
+    """One `logprobs.content` entry in OpenAI's shape, read through the
+    client's typed objects; greedy decoding chose the most likely token."""
+    check(isinstance(entry.token, str), f"token {entry.token!r} is not a string: {context}")
+    check(isinstance(entry.logprob, float) and entry.logprob <= 0.0, f"logprob {entry.logprob!r}: {context}")
+    check(isinstance(entry.top_logprobs, list) and len(entry.top_logprobs) == top,
+          f"{entry.top_logprobs!r}, asked {top}: {context}")
+    previous = 0.0
+    for alternative in [entry] + entry.top_logprobs:
+        check(isinstance(alternative.token, str), f"an alternative's token {alternative.token!r}: {context}")
+        check(isinstance(alternative.bytes, list) and all(isinstance(b, int) for b in alternative.bytes),
+              f"bytes {alternative.bytes!r} is not a list of ints: {context}")
+        check(bytes(alternative.bytes) == alternative.token.encode("utf-8"),
+              f"bytes {alternative.bytes!r} are not the UTF-8 of {alternative.token!r}: {context}")
+        check(isinstance(alternative.logprob, float), f"logprob {alternative.logprob!r}: {context}")
+    for alternative in entry.top_logprobs:
+        check(alternative.logprob <= previous, f"alternatives not in decreasing order: {context}")
+        previous = alternative.logprob
+    best = entry.top_logprobs[0]
+    check(best.token == entry.token and abs(best.logprob - entry.logprob) < 1e-6,
+          f"the greedy token is not the most likely alternative: {context}")
+
+
+def check_logprobs(client, arithmetic):
+    """`logprobs` with `top_logprobs` 3 on the golden arithmetic question: the
+    tokens spell the golden greedy completion, streamed as in the response."""
+    top = 3
+    args = dict(request_args(arithmetic, False, max_tokens=6), logprobs=True, top_logprobs=top)
+    content = client.chat.completions.create(**args).choices[0].logprobs.content
+    check(len(content) == 6, f"{len(content)} logprobs entries for 6 tokens")
+    for index, entry in enumerate(content):
+        assert_logprob_entry(entry, top, f"entry {index}")
+    text = "".join(entry.token for entry in content)
+    check(arithmetic["greedy_completion_text"].startswith(text),
+          f"the tokens {text!r} do not begin the golden completion")
+
+    streamed = []
+    for chunk in client.chat.completions.create(**dict(args, stream=True)):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed.extend(chunk.choices[0].logprobs.content or [])
+    for index, entry in enumerate(streamed):
+        assert_logprob_entry(entry, top, f"streamed entry {index}")
+    check([(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content],
+          "streamed logprobs differ from the response's")
+
+
+def main():
+    base_url, golden_path = sys.argv[1], sys.argv[2]
+    sequences = json.load(open(golden_path))["sequences"]
+    arithmetic, greeting, weather, time_without_thinking = sequences[:4]
+    client = OpenAI(base_url=base_url, api_key="not-needed")
+
+    models = client.models.list()
+    check(len(models.data) >= 1, "no model listed")
+
+    check_golden_chats(client, greeting, weather)
+    check_tool_choice(client, greeting, weather, time_without_thinking)
+    check_structured_output(client)
+    check_logprobs(client, arithmetic)
     print("openai client: all checks passed")
 
 

@@ -1,8 +1,8 @@
 //! Structured output that knows about reasoning, through the real server: when
 //! the chat template opens `<think>` (thinking on, its default), a request's
-//! grammar (`response_format` json_schema, `grammar` regex or lark) leaves the
-//! reasoning free and constrains what follows `</think>`; with thinking off it
-//! constrains from the first token. Streamed and not.
+//! grammar (`response_format` json_schema or json_object, `grammar` regex or
+//! lark) leaves the reasoning free and constrains what follows `</think>`; with
+//! thinking off it constrains from the first token. Streamed and not.
 
 use anyhow::{Context, Result};
 use berrylm_tests::chat::{chat_answer, reasoning};
@@ -132,6 +132,52 @@ fn json_schema_constrains_the_answer_after_free_reasoning() -> Result<()> {
         assert_eq!(finish_reason, "stop", "{context}");
         assert_forecast(&message["content"], &context);
     }
+    Ok(())
+}
+
+/// OpenAI's JSON mode: `response_format` `{"type": "json_object"}` constrains
+/// the answer to a JSON object (any object), after the free reasoning when
+/// thinking is on. mistral.rs 0.8.1 without the seam's json_object edits
+/// refused the request: HTTP 422, `response_format.type: unknown variant
+/// `json_object`, expected `text` or `json_schema``.
+#[test]
+fn json_object_constrains_the_answer_to_an_object_after_free_reasoning() -> Result<()> {
+    let (server, free_reasoning) = server_and_free_reasoning()?;
+    let json_object = json!({"type": "json_object"});
+
+    let mut answers = Vec::new();
+    for (thinking, stream) in [(true, false), (true, true), (false, false)] {
+        let body = request(
+            thinking,
+            stream,
+            &[("response_format", json_object.clone())],
+        );
+        let (message, finish_reason) = chat_answer(&server, &body)?;
+        let context = format!("thinking {thinking}, stream {stream}: {message}");
+        if thinking {
+            assert_eq!(
+                message["reasoning_content"].as_str().map(str::trim),
+                Some(free_reasoning.as_str()),
+                "the reasoning is not the free one: {context}"
+            );
+        } else {
+            assert!(message["reasoning_content"].is_null(), "{context}");
+        }
+        assert_eq!(finish_reason, "stop", "{context}");
+        let text = message["content"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no content: {context}"));
+        let answer: Value = serde_json::from_str(text)
+            .unwrap_or_else(|error| panic!("content is not JSON ({error}): {context}"));
+        assert!(
+            answer.is_object(),
+            "content is not a JSON object: {context}"
+        );
+        if thinking {
+            answers.push(answer);
+        }
+    }
+    assert_eq!(answers[0], answers[1], "streamed and not differ");
     Ok(())
 }
 

@@ -91,9 +91,14 @@ fn reasoning_and_typed_tool_calls_come_back_streamed_and_not() -> Result<()> {
 }
 
 /// The official OpenAI Python client (installed by `cargo xtask test` into its
-/// venv, `BERRYLM_PYTHON`) against the real server.
+/// venv, `BERRYLM_PYTHON`) against the real server, streamed and not: the
+/// golden reasoning, content and typed tool calls; `tool_choice` `none`,
+/// `required`, a named function and one the request does not offer (the
+/// client's 4xx); `response_format` json_schema and json_object after free
+/// reasoning; `logprobs` with `top_logprobs` read through its typed objects.
 #[test]
-fn the_openai_python_client_gets_reasoning_content_and_tool_calls() -> Result<()> {
+fn the_openai_python_client_gets_reasoning_tool_calls_tool_choice_structured_output_and_logprobs(
+) -> Result<()> {
     let Some(python) = std::env::var_os("BERRYLM_PYTHON") else {
         anyhow::bail!("BERRYLM_PYTHON is not set: run the tests with `cargo xtask test`");
     };
