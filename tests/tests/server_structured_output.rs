@@ -106,22 +106,44 @@ fn answer_after_free_reasoning(
     Ok((message, context))
 }
 
+/// With thinking on, `response_format` leaves the free reasoning and the
+/// answer after it (checked by `check_answer`, which returns what it read) is
+/// the same streamed and not.
+fn assert_same_answer_streamed_and_not(
+    server: &Server,
+    free_reasoning: &str,
+    response_format: &Value,
+    check_answer: impl Fn(&Value, &str) -> Value,
+) -> Result<()> {
+    let mut answers = Vec::new();
+    for stream in [false, true] {
+        let body = request(
+            true,
+            stream,
+            &[("response_format", response_format.clone())],
+        );
+        let (message, context) = answer_after_free_reasoning(
+            server,
+            &body,
+            free_reasoning,
+            &format!("{response_format}, stream {stream}"),
+        )?;
+        answers.push(check_answer(&message, &context));
+    }
+    assert_eq!(answers[0], answers[1], "streamed and not differ");
+    Ok(())
+}
+
 #[test]
 fn json_schema_constrains_the_answer_after_free_reasoning() -> Result<()> {
     let (server, free_reasoning) = server_and_free_reasoning()?;
 
-    let mut answers = Vec::new();
-    for stream in [false, true] {
-        let body = request(true, stream, &[("response_format", json_schema_format())]);
-        let (message, context) = answer_after_free_reasoning(
-            &server,
-            &body,
-            &free_reasoning,
-            &format!("stream {stream}"),
-        )?;
-        answers.push(assert_forecast(&message["content"], &context));
-    }
-    assert_eq!(answers[0], answers[1], "streamed and not differ");
+    assert_same_answer_streamed_and_not(
+        &server,
+        &free_reasoning,
+        &json_schema_format(),
+        |message, context| assert_forecast(&message["content"], context),
+    )?;
 
     // Thinking off: no reasoning, JSON from the first token.
     for stream in [false, true] {
@@ -145,25 +167,7 @@ fn json_object_constrains_the_answer_to_an_object_after_free_reasoning() -> Resu
     let (server, free_reasoning) = server_and_free_reasoning()?;
     let json_object = json!({"type": "json_object"});
 
-    let mut answers = Vec::new();
-    for (thinking, stream) in [(true, false), (true, true), (false, false)] {
-        let body = request(
-            thinking,
-            stream,
-            &[("response_format", json_object.clone())],
-        );
-        let (message, finish_reason) = chat_answer(&server, &body)?;
-        let context = format!("thinking {thinking}, stream {stream}: {message}");
-        if thinking {
-            assert_eq!(
-                message["reasoning_content"].as_str().map(str::trim),
-                Some(free_reasoning.as_str()),
-                "the reasoning is not the free one: {context}"
-            );
-        } else {
-            assert!(message["reasoning_content"].is_null(), "{context}");
-        }
-        assert_eq!(finish_reason, "stop", "{context}");
+    let json_object_answer = |message: &Value, context: &str| {
         let text = message["content"]
             .as_str()
             .unwrap_or_else(|| panic!("no content: {context}"));
@@ -173,11 +177,23 @@ fn json_object_constrains_the_answer_to_an_object_after_free_reasoning() -> Resu
             answer.is_object(),
             "content is not a JSON object: {context}"
         );
-        if thinking {
-            answers.push(answer);
-        }
-    }
-    assert_eq!(answers[0], answers[1], "streamed and not differ");
+        answer
+    };
+
+    assert_same_answer_streamed_and_not(
+        &server,
+        &free_reasoning,
+        &json_object,
+        json_object_answer,
+    )?;
+
+    // Thinking off: no reasoning, the object from the first token.
+    let body = request(false, false, &[("response_format", json_object)]);
+    let (message, finish_reason) = chat_answer(&server, &body)?;
+    let context = format!("thinking off: {message}");
+    assert!(message["reasoning_content"].is_null(), "{context}");
+    assert_eq!(finish_reason, "stop", "{context}");
+    json_object_answer(&message, &context);
     Ok(())
 }
 
