@@ -454,20 +454,16 @@ impl BerryLm {
         paged: Option<&PagedKv<'_>>,
     ) -> Result<Option<Tensor>> {
         let (_, seq_len) = batch.input_ids.dims2()?;
-        // The tiled attention (CUDA, half precision) is causal by itself; the
-        // matrix, `T x (past + T)` elements built on the CPU, is only read by
-        // the eager attention and by the host's paged prompt attention over a
-        // KV cache of another dtype (FP8). Prefix hits under paged attention
-        // get per-sequence masks from the host.
-        let paged_cache_of_other_dtype = paged.is_some_and(|paged| {
-            paged
-                .blocks
-                .first()
-                .is_some_and(|(key_cache, _)| key_cache.dtype() != dtype)
-        });
+        // The tiled attention is causal by itself; the matrix, `T x (past + T)`
+        // elements built on the CPU, is only read by the eager attention and by
+        // the host's paged prompt attention (over FP8 blocks). Prefix hits
+        // under paged attention get per-sequence masks from the host.
+        let paged_key_cache = paged
+            .and_then(|paged| paged.blocks.first())
+            .map(|(key_cache, _)| key_cache.dtype());
         let mask = if seq_len == 1 {
             None
-        } else if uses_tiled_attention(&self.device, dtype) && !paged_cache_of_other_dtype {
+        } else if uses_tiled_attention(&self.device, dtype, paged_key_cache) {
             // Under paged attention the mask is what tells a prompt from a
             // decode step (without one, the host runs its decode kernel): a
             // one-element placeholder says "prompt".

@@ -149,7 +149,6 @@ impl GatedAttention {
         let q = q.transpose(1, 2)?.contiguous()?;
         let k = k_tokens.transpose(1, 2)?.contiguous()?;
         let v = v_tokens.transpose(1, 2)?.contiguous()?;
-        let tiled = uses_tiled_attention(q.device(), q.dtype());
         let attended = match (kv, &self.paged) {
             (
                 AttentionKv::Paged {
@@ -158,7 +157,8 @@ impl GatedAttention {
                 },
                 Some(paged),
             ) => {
-                if tiled && is_uncached_prompt(mask, metadata, &key_value.0, &q) {
+                let tiled = uses_tiled_attention(q.device(), q.dtype(), Some(key_value.0.dtype()));
+                if tiled && is_uncached_prompt(mask, metadata) {
                     write_paged_cache(&k_tokens, &v_tokens, &key_value, metadata)?;
                     self.causal_attention(&q, &k, &v)?
                 } else {
@@ -182,7 +182,7 @@ impl GatedAttention {
             }
             (AttentionKv::Contiguous(cache), _) => {
                 let (k, v) = cache.append(&k, &v)?;
-                if tiled {
+                if uses_tiled_attention(q.device(), q.dtype(), None) {
                     self.causal_attention(&q, &k, &v)?
                 } else {
                     self.eager_attention(&q, &k, &v, mask)?
@@ -276,22 +276,21 @@ impl GatedAttention {
     }
 }
 
-/// Whether attention runs tiled (`berrylm_kernels::causal_attention`): on
-/// CUDA in half precision. The CPU, the oracle, and f32 keep the eager path.
-pub fn uses_tiled_attention(device: &Device, dtype: DType) -> bool {
-    device.is_cuda() && matches!(dtype, DType::BF16 | DType::F16)
+/// Whether a prompt's attention runs tiled (`berrylm_kernels::causal_attention`):
+/// on CUDA in half precision, over the contiguous cache (`paged_key_cache`
+/// `None`) or paged blocks of the activations' dtype (not FP8 ones, which the
+/// host's paged attention reads). The CPU, the oracle, and f32 keep the eager
+/// path.
+pub fn uses_tiled_attention(device: &Device, dtype: DType, paged_key_cache: Option<DType>) -> bool {
+    device.is_cuda()
+        && matches!(dtype, DType::BF16 | DType::F16)
+        && paged_key_cache.is_none_or(|cache| cache == dtype)
 }
 
-/// Whether a paged step is a prompt (it has a mask) without a cached prefix,
-/// into a cache of the activations' dtype (not an FP8 one): attention then
-/// needs the prompt's own keys and values only.
-fn is_uncached_prompt(
-    mask: Option<&Tensor>,
-    metadata: &PagedAttentionInputMetadata,
-    key_cache: &Tensor,
-    q: &Tensor,
-) -> bool {
-    mask.is_some() && metadata.num_cached_tokens.is_none() && key_cache.dtype() == q.dtype()
+/// Whether a paged step is a prompt (it has a mask) without a cached prefix:
+/// attention then needs the prompt's own keys and values only.
+fn is_uncached_prompt(mask: Option<&Tensor>, metadata: &PagedAttentionInputMetadata) -> bool {
+    mask.is_some() && metadata.num_cached_tokens.is_none()
 }
 
 /// Writes a prompt's keys and values (`[B, T, kv_heads, hd]`) into its paged
