@@ -20,6 +20,8 @@
 # the 40-layer checkpoint first, once per machine), scale-serve (that checkpoint
 # through `mistralrs serve`: tools/load_test.py's sweep at concurrency
 # $SCALE_CONCURRENCY, default 1,64,256, then batch-1 decode end to end),
+# scale-isq (that checkpoint served with each ISQ type of $SCALE_ISQ: load time,
+# memory, batch-1 decode end to end, the sweep at concurrency 64),
 # scale-interference (16 streams on that checkpoint while a
 # $SCALE_LONG_PROMPT-token prompt, default 32768, prefills), scale-soak (the
 # load tool's soak on that checkpoint: $SOAK_CLIENTS clients, default 256, for
@@ -62,16 +64,17 @@ E2E_CHECKPOINT="${E2E_CHECKPOINT:-/tmp/berrylm-os-8l}" E2E_PORT="${E2E_PORT:-185
 
 # Starts `mistralrs serve` on checkpoint $1 at port $2 with the further
 # arguments, logging to $OUT/$(basename $1)-server.log, and waits until it
-# answers /v1/models (5 minutes at most). Sets `server` to its pid.
+# answers /v1/models ($READY_TIMEOUT_S seconds at most, default 300). Sets
+# `server` to its pid.
 start_server() {
     local checkpoint="$1" port="$2"
     shift 2
     server_log="${OUT:-/tmp}/$(basename "$checkpoint")-server.log"
     "$BIN/mistralrs" serve -m "$checkpoint" --port "$port" "$@" > "$server_log" 2>&1 &
     server=$!
-    python3 - "http://127.0.0.1:$port/v1/models" "$server" <<'PY'
+    python3 - "http://127.0.0.1:$port/v1/models" "$server" "${READY_TIMEOUT_S:-300}" <<'PY'
 import os, sys, time, urllib.request
-deadline = time.time() + 300
+deadline = time.time() + float(sys.argv[3])
 while time.time() < deadline:
     try:
         os.kill(int(sys.argv[2]), 0)
@@ -82,7 +85,7 @@ while time.time() < deadline:
         sys.exit(0)
     except OSError:
         time.sleep(2)
-sys.exit("the server was not ready within 5 minutes")
+sys.exit(f"the server was not ready within {sys.argv[3]} s")
 PY
 }
 
@@ -117,6 +120,7 @@ scale_serve() {
     start_server "$SCALE_CHECKPOINT" "$SCALE_PORT" --dtype bf16 --max-seqs 256 --pa-memory-mb 16384
     code=$?
     if [ "$code" -eq 0 ]; then
+        nvidia-smi --query-gpu=memory.used --format=csv,noheader | sed "s/^/bf16: device memory in use /"
         timeout 420 python3 tools/load_test.py sweep --url "http://127.0.0.1:$SCALE_PORT" \
             --concurrency "${SCALE_CONCURRENCY:-1,64,256}" --prompt-tokens 128 --output-tokens 128 \
             ${OUT:+--json "$OUT/sweep-40l.json"}
@@ -126,6 +130,36 @@ scale_serve() {
             ${forward:+--compare-forward-ms "$forward"} ${OUT:+--json "$OUT/e2e-40l.json"} || code=1
     fi
     stop_server
+    return "$code"
+}
+
+# The scale-isq step: the 40-layer checkpoint served with in-situ quantization,
+# each type of $SCALE_ISQ (a space-separated list, default "q4k q8_0") in turn (paged attention, a 16 GiB
+# KV pool): the load time (start to ready), the plugin's line of the weights'
+# bytes, the device memory in use once ready, batch-1 decode end to end and the
+# load tool's sweep at concurrency 64 (128-token prompts, 128 output tokens).
+scale_isq() {
+    local isq start code=0
+    scale_checkpoint || return 1
+    for isq in ${SCALE_ISQ:-q4k q8_0}; do
+        start=$(date +%s)
+        if ! READY_TIMEOUT_S=540 start_server "$SCALE_CHECKPOINT" "$SCALE_PORT" --dtype bf16 \
+            --max-seqs 64 --pa-memory-mb 16384 --isq "$isq"; then
+            stop_server
+            code=1
+            continue
+        fi
+        echo "isq $isq: ready $(($(date +%s) - start)) s after start"
+        grep -h "in-situ quantization quantized" "$server_log"
+        nvidia-smi --query-gpu=memory.used --format=csv,noheader | sed "s/^/isq $isq: device memory in use /"
+        timeout 120 python3 tools/e2e_decode.py --url "http://127.0.0.1:$SCALE_PORT" \
+            --prompt-tokens 32 --max-tokens 65 --repeats 3 --warmup 1 \
+            ${OUT:+--json "$OUT/e2e-40l-$isq.json"} || code=1
+        timeout 240 python3 tools/load_test.py sweep --url "http://127.0.0.1:$SCALE_PORT" \
+            --concurrency 64 --prompt-tokens 128 --output-tokens 128 \
+            ${OUT:+--json "$OUT/sweep-40l-$isq.json"} || code=1
+        stop_server
+    done
     return "$code"
 }
 
@@ -249,6 +283,7 @@ step() {
         --prefill "${SCALE_PREFILL:-4096,16384}" --decode 1,64,256 --no-kernels \
         ${OUT:+--json "$OUT/bench-40l.json"} ;;
     scale-serve) scale_serve ;;
+    scale-isq) scale_isq ;;
     scale-interference) with_scale_server 64 interference_clients ;;
     scale-soak) with_scale_server 256 soak_clients ;;
     model-errors) cc -O2 -shared -fPIC -o "$BIN/libcuda_fault_shim.so" tools/cuda_fault_shim.c -ldl &&
