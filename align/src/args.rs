@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device};
 use clap::{Parser, ValueEnum};
-use mistralrs::ModelDType;
+use mistralrs::{IsqType, ModelDType};
 
 /// Compares the berrylm plugin with the transformers reference's golden outputs.
 #[derive(Debug, Parser)]
@@ -30,10 +30,29 @@ pub struct Args {
     /// Also write our logits of every mode and our greedy tokens as safetensors.
     #[arg(long, value_name = "OUT")]
     pub dump: Option<PathBuf>,
+    /// Quantize the model while loading, as `mistralrs serve --isq TYPE`
+    /// does (`q4k`, `q8_0`, ...; the host's types and aliases), and compare
+    /// the quantized model.
+    #[arg(long, value_name = "TYPE", value_parser = parse_isq)]
+    pub isq: Option<IsqType>,
+    /// Also write a golden file in the reference's layout from this run:
+    /// the golden's ids, our prefill logits as `logits_f32` and the Driver's
+    /// greedy tokens (e.g. the unquantized model's, for `--isq` runs to be
+    /// compared with).
+    #[arg(long, value_name = "OUT")]
+    pub write_golden: Option<PathBuf>,
+    /// Only the teacher-forced modes: not the free-running greedy run through
+    /// the host engine (which loads the model a second time).
+    #[arg(long)]
+    pub teacher_forced_only: bool,
     /// With a corpus-protocol file (`prompt{i}.ids`, from
     /// `tools/reference_dump.py --corpus`): compare only its first K windows.
     #[arg(long, value_name = "K", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub prompts: Option<usize>,
+}
+
+fn parse_isq(value: &str) -> Result<IsqType, String> {
+    mistralrs_core::parse_isq_value(value, None)
 }
 
 /// The compute type of the run.

@@ -41,3 +41,27 @@ pub fn save(
     candle_core::safetensors::save(&tensors, path)
         .with_context(|| format!("writing {}", path.display()))
 }
+
+/// Writes a golden file in the reference's layout (`seq{i}.input_ids`,
+/// `seq{i}.logits_f32`, `gen.prompt_ids`, `gen.output_ids`) from our run:
+/// `golden`'s ids, our `prefill` logits and the Driver's `greedy_tokens`.
+pub fn save_golden(
+    path: &Path,
+    golden: &Golden,
+    prefill: &[Tensor],
+    greedy_tokens: &[u32],
+) -> Result<()> {
+    let ids = |ids: &[u32]| -> candle_core::Result<Tensor> {
+        let ids: Vec<i64> = ids.iter().map(|&id| i64::from(id)).collect();
+        Tensor::new(ids.as_slice(), &Device::Cpu)
+    };
+    let mut tensors: HashMap<String, Tensor> = HashMap::new();
+    for (sequence, logits) in golden.sequences.iter().zip(prefill) {
+        tensors.insert(format!("{}.input_ids", sequence.name), ids(&sequence.ids)?);
+        tensors.insert(format!("{}.logits_f32", sequence.name), logits.clone());
+    }
+    tensors.insert("gen.prompt_ids".into(), ids(&golden.prompt_ids)?);
+    tensors.insert("gen.output_ids".into(), ids(greedy_tokens)?);
+    candle_core::safetensors::save(&tensors, path)
+        .with_context(|| format!("writing {}", path.display()))
+}

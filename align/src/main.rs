@@ -38,8 +38,7 @@ async fn run() -> Result<ExitCode> {
 
     // Teacher-forced modes and the Driver's greedy run, on fresh host caches.
     // A mode that cannot run is reported as failed; the others still run.
-    let model = berrylm::driver::load_checkpoint(&args.model, args.dtype.candle(), &device)
-        .with_context(|| format!("loading {}", args.model.display()));
+    let model = load_model(&args, &device);
     let runs = modes::teacher_forced(&model, &golden);
     let driver_tokens = match &model {
         Ok(model) => match modes::driver_greedy(model, &golden.prompt_ids, golden.output_ids.len())
@@ -57,17 +56,36 @@ async fn run() -> Result<ExitCode> {
     };
     drop(model);
 
+    if let Some(path) = &args.write_golden {
+        let prefill = runs.prefill.as_ref().map_err(|error| {
+            anyhow::anyhow!(
+                "--write-golden needs the prefill mode: {}",
+                modes::error_line(error)
+            )
+        })?;
+        let tokens = driver_tokens
+            .as_deref()
+            .context("--write-golden needs the Driver's greedy tokens")?;
+        dump::save_golden(path, &golden, prefill, tokens)?;
+    }
+
     // Free-running greedy through the host engine.
-    berrylm::register().context("registering berrylm in the host")?;
-    let greedy = modes::engine_greedy(
-        &args.model,
-        args.dtype,
-        args.device,
-        &golden,
-        driver_tokens.as_deref(),
-    )
-    .await
-    .context("greedy generation through the host engine");
+    let greedy = if args.teacher_forced_only {
+        None
+    } else {
+        berrylm::register().context("registering berrylm in the host")?;
+        let greedy = modes::engine_greedy(
+            &args.model,
+            args.dtype,
+            args.device,
+            args.isq,
+            &golden,
+            driver_tokens.as_deref(),
+        )
+        .await
+        .context("greedy generation through the host engine");
+        Some(greedy)
+    };
 
     let report = Report::build(run_header(&args), &golden, &runs, greedy);
     print!("{}", report.table());
@@ -85,12 +103,30 @@ async fn run() -> Result<ExitCode> {
     })
 }
 
+/// The checkpoint in the run's dtype on `device`, quantized while loading
+/// with `--isq` (what the host quantized goes to stderr).
+fn load_model(args: &Args, device: &candle_core::Device) -> Result<berrylm::model::BerryLm> {
+    let context = || format!("loading {}", args.model.display());
+    let dtype = args.dtype.candle();
+    match args.isq {
+        None => berrylm::driver::load_checkpoint(&args.model, dtype, device).with_context(context),
+        Some(isq) => {
+            let (model, report) =
+                berrylm::driver::load_checkpoint_quantized(&args.model, dtype, device, isq)
+                    .with_context(context)?;
+            eprintln!("berrylm-align: in-situ quantization to {isq:?} {report}");
+            Ok(model)
+        }
+    }
+}
+
 fn run_header(args: &Args) -> Run {
     Run {
         model: args.model_name(),
         model_dir: args.model.display().to_string(),
         golden: args.golden.display().to_string(),
         dtype: args.dtype.name().into(),
+        isq: args.isq.map(|isq| format!("{isq:?}")),
         device: args.device.name().into(),
     }
 }
@@ -99,8 +135,7 @@ fn run_header(args: &Args) -> Run {
 /// free-running and teacher-forced tables (corpus.rs).
 fn run_corpus(args: &Args, device: &candle_core::Device) -> Result<ExitCode> {
     let golden = corpus::CorpusGolden::load(&args.golden, args.prompts)?;
-    let model = berrylm::driver::load_checkpoint(&args.model, args.dtype.candle(), device)
-        .with_context(|| format!("loading {}", args.model.display()))?;
+    let model = load_model(args, device)?;
     let report = corpus::CorpusReport::build(run_header(args), &model, &golden)?;
     print!("{}", report.tables());
     if let Some(path) = &args.json {

@@ -9,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use berrylm::driver::Driver;
 use berrylm::model::BerryLm;
 use candle_core::{DType, Device, Tensor};
-use mistralrs::TextModelBuilder;
+use mistralrs::{IsqType, TextModelBuilder};
 use mistralrs_core::{NormalRequest, Request, RequestMessage, Response, SamplingParams};
 use serde::Serialize;
 
@@ -295,6 +295,7 @@ pub async fn engine_greedy(
     model_dir: &Path,
     dtype: Precision,
     target: Target,
+    isq: Option<IsqType>,
     golden: &Golden,
     driver_tokens: Option<&[u32]>,
 ) -> Result<Greedy> {
@@ -312,6 +313,9 @@ pub async fn engine_greedy(
         Target::Cpu => builder.with_force_cpu(),
         Target::Cuda => builder.with_device(target.open()?),
     };
+    if let Some(isq) = isq {
+        builder = builder.with_isq(isq);
+    }
     let model = builder
         .build()
         .await

@@ -31,7 +31,13 @@ pub struct Chunked {
 #[serde(untagged)]
 pub enum Outcome<T> {
     Ran(T),
-    Failed { error: String },
+    Failed {
+        error: String,
+    },
+    /// Left out by the command line (`{"not_run": why}` in JSON).
+    NotRun {
+        not_run: &'static str,
+    },
 }
 
 impl<T> Outcome<T> {
@@ -47,14 +53,14 @@ impl<T> Outcome<T> {
     fn ran(&self) -> Option<&T> {
         match self {
             Outcome::Ran(value) => Some(value),
-            Outcome::Failed { .. } => None,
+            Outcome::Failed { .. } | Outcome::NotRun { .. } => None,
         }
     }
 
     fn error(&self) -> Option<&str> {
         match self {
-            Outcome::Ran(_) => None,
             Outcome::Failed { error } => Some(error.as_str()),
+            Outcome::Ran(_) | Outcome::NotRun { .. } => None,
         }
     }
 }
@@ -82,6 +88,8 @@ pub struct Report {
     pub model_dir: String,
     pub golden: String,
     pub dtype: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub isq: Option<String>,
     pub device: String,
     pub sequences: usize,
     pub modes: Modes,
@@ -98,6 +106,8 @@ pub struct Run {
     pub model_dir: String,
     pub golden: String,
     pub dtype: String,
+    /// The in-situ quantization type (`--isq`), if any.
+    pub isq: Option<String>,
     pub device: String,
 }
 
@@ -136,7 +146,7 @@ impl Report {
         run: Run,
         golden: &Golden,
         runs: &TeacherForced,
-        greedy: anyhow::Result<Greedy>,
+        greedy: Option<anyhow::Result<Greedy>>,
     ) -> Report {
         let prefill = compare_all(golden, &runs.prefill).map(|p| stats::summarize(&p));
         let chunked = compare_all(golden, &runs.chunked).map(|p| Chunked {
@@ -203,13 +213,19 @@ impl Report {
             model_dir: run.model_dir,
             golden: run.golden,
             dtype: run.dtype,
+            isq: run.isq,
             device: run.device,
             sequences: golden.sequences.len(),
             modes: Modes {
                 prefill: Outcome::from_result(prefill),
                 incremental: Outcome::from_result(incremental),
                 chunked: Outcome::from_result(chunked),
-                greedy: Outcome::from_result(greedy),
+                greedy: match greedy {
+                    Some(greedy) => Outcome::from_result(greedy),
+                    None => Outcome::NotRun {
+                        not_run: "not run (--teacher-forced-only)",
+                    },
+                },
             },
             noise_floor,
             positions,
@@ -232,7 +248,13 @@ impl Report {
 
     /// The two tables (Markdown), then the failures if any.
     pub fn table(&self) -> String {
-        let model = format!("{} ({}, {})", self.model, self.dtype, self.device);
+        let model = match &self.isq {
+            Some(isq) => format!(
+                "{} ({}, ISQ {isq}, {})",
+                self.model, self.dtype, self.device
+            ),
+            None => format!("{} ({}, {})", self.model, self.dtype, self.device),
+        };
         let mut modes = Vec::new();
         let mut mode = |name: &str, summary: Option<&Summary>| {
             modes.push(match summary {
@@ -264,7 +286,14 @@ impl Report {
                 ),
                 &percent(greedy.matched as f64 / greedy.total.max(1) as f64),
             ),
-            None => text_row(&model, "greedy (engine)", "failed"),
+            None => text_row(
+                &model,
+                "greedy (engine)",
+                match self.modes.greedy {
+                    Outcome::NotRun { not_run } => not_run,
+                    _ => "failed",
+                },
+            ),
         });
         let noise = "noise floor (reference bf16 vs f32)";
         modes.push(match &self.noise_floor {

@@ -8,10 +8,11 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use mistralrs_core::plugin_api::{FlashParams, HybridCache};
-use mistralrs_quant::ShardedSafeTensors;
+use mistralrs_quant::{IsqType, ShardedSafeTensors};
 
 use crate::config::BerryLmConfig;
 use crate::model::{BerryLm, ForwardBatch};
+use crate::quantization::{self, QuantizationReport};
 use crate::weights::Weights;
 
 /// Loads a checkpoint folder (`config.json` and one or more `*.safetensors`)
@@ -36,6 +37,24 @@ pub fn load_checkpoint(dir: &Path, dtype: DType, device: &Device) -> Result<Berr
     let vb =
         unsafe { ShardedSafeTensors::sharded(&files, dtype, device, None, Arc::new(|_| true))? };
     Ok(BerryLm::load(cfg, &Weights::new(vb), false)?)
+}
+
+/// [`load_checkpoint`] with the host's in-situ quantization to `isq` applied
+/// while loading, to the projections it quantizes by default (as `mistralrs
+/// serve --isq TYPE`); returns the model and what the host made of it.
+pub fn load_checkpoint_quantized(
+    dir: &Path,
+    dtype: DType,
+    device: &Device,
+    isq: IsqType,
+) -> Result<(BerryLm, QuantizationReport)> {
+    mistralrs_quant::set_immediate_isq(Some(isq), quantization::quantizable_tensors()?);
+    let model = load_checkpoint(dir, dtype, device);
+    mistralrs_quant::clear_immediate_isq();
+    let mut model = model?;
+    let report = QuantizationReport::of(&mut model)?
+        .context("the host quantized none of the model's projections")?;
+    Ok((model, report))
 }
 
 /// Drives a batch of sequences through the model with the host's hybrid cache,

@@ -117,25 +117,12 @@ fn log_quantization(model: &mut BerryLm, loading_isq: bool) -> Result<()> {
         tracing::info!(
             "BerryLM: {} of its {} quantizable projections come from the UQFF file",
             report.withheld,
-            report.host_layers
+            report.projections
         );
     } else {
-        tracing::info!(
-            "BerryLM: in-situ quantization quantized {} of {} projections; the weights take \
-             {} bytes ({:.1} MiB), {} bytes ({:.1} MiB) in full precision",
-            report.quantized,
-            report.host_layers,
-            report.bytes,
-            mebibytes(report.bytes),
-            report.full_precision_bytes,
-            mebibytes(report.full_precision_bytes)
-        );
+        tracing::info!("BerryLM: in-situ quantization {report}");
     }
     Ok(())
-}
-
-fn mebibytes(bytes: usize) -> f64 {
-    bytes as f64 / (1024.0 * 1024.0)
 }
 
 /// The tensors the host may quantize (`crate::quantization`).

@@ -60,8 +60,11 @@ pub fn quantizable_tensors_moqe() -> std::result::Result<Vec<Regex>, regex::Erro
 /// What the host's ISQ made of a loaded model's projections.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QuantizationReport {
-    /// The projections the host holds (`IsqModel::get_layers`).
-    pub host_layers: usize,
+    /// The checkpoint projections the host holds (in its layers,
+    /// `IsqModel::get_layers`; stacked experts count one per expert and
+    /// projection).
+    pub projections: usize,
+    /// Of these, quantized.
     pub quantized: usize,
     /// Withheld by the checkpoint, for the host to load from a UQFF file.
     pub withheld: usize,
@@ -79,7 +82,13 @@ impl QuantizationReport {
         let layers = model
             .host_layers_mut()
             .into_iter()
-            .map(|(layer, _)| Ok((layer.state()?, layer.full_precision_bytes())))
+            .map(|(layer, _)| {
+                Ok((
+                    layer.state()?,
+                    layer.full_precision_bytes(),
+                    layer.projections(),
+                ))
+            })
             .collect::<Result<Vec<_>>>()?;
         if layers.is_empty() {
             return Ok(None);
@@ -90,26 +99,46 @@ impl QuantizationReport {
             .map(|(_, tensor)| tensor.elem_count() * tensor.dtype().size_in_bytes())
             .sum();
         let mut report = QuantizationReport {
-            host_layers: layers.len(),
+            projections: 0,
             quantized: 0,
             withheld: 0,
             full_precision_bytes: others,
             bytes: others,
         };
-        for (state, full_precision_bytes) in layers {
+        for (state, full_precision_bytes, projections) in layers {
+            report.projections += projections;
             report.full_precision_bytes += full_precision_bytes;
             report.bytes += match state {
                 HostLayerState::Quantized { bytes } => {
-                    report.quantized += 1;
+                    report.quantized += projections;
                     bytes
                 }
                 HostLayerState::FullPrecision => full_precision_bytes,
                 HostLayerState::Withheld => {
-                    report.withheld += 1;
+                    report.withheld += projections;
                     0
                 }
             };
         }
         Ok(Some(report))
+    }
+}
+
+/// `quantized Q of P projections; the weights take B bytes (M MiB), F bytes
+/// (N MiB) in full precision`.
+impl std::fmt::Display for QuantizationReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mebibytes = |bytes: usize| bytes as f64 / (1024.0 * 1024.0);
+        write!(
+            f,
+            "quantized {} of {} projections; the weights take {} bytes ({:.1} MiB), {} bytes \
+             ({:.1} MiB) in full precision",
+            self.quantized,
+            self.projections,
+            self.bytes,
+            mebibytes(self.bytes),
+            self.full_precision_bytes,
+            mebibytes(self.full_precision_bytes)
+        )
     }
 }

@@ -268,3 +268,84 @@ fn corpus_protocol_bf16_sits_beside_the_reference_bf16() -> Result<()> {
     }
     Ok(())
 }
+
+/// Pooled top-1 agreement of the bundled model quantized to `q8_0` with the
+/// reference's float32 logits, at least (measured: 99.88 % of 824 positions).
+const Q8_0_TOP1: f64 = 0.99;
+/// Its mean |Δ logprob|, at most (measured: 2.3e-4; the reference's own
+/// bfloat16 run sits at 7.4e-2 on the other fixtures).
+const Q8_0_MEAN_DIFF: f64 = 1e-3;
+
+/// `--isq q8_0` quantizes the bundled model while loading, as `mistralrs
+/// serve --isq q8_0` does, and the quantized model stays beside the
+/// reference in every teacher-forced mode; `--write-golden` writes the
+/// unquantized model's run in the reference's layout (the file an `--isq`
+/// run of a checkpoint without a reference is compared with).
+#[test]
+fn q8_0_stays_beside_the_reference_and_write_golden_keeps_its_layout() -> Result<()> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let golden_path = fixtures_dir().join("trained-tiny/golden.safetensors");
+    let out = std::env::temp_dir().join(format!("berrylm-align-isq-{}", std::process::id()));
+    std::fs::create_dir_all(&out)?;
+
+    let written = out.join("unquantized.safetensors");
+    run_align(
+        &fixture.model_dir,
+        &golden_path,
+        "f32",
+        &out.join("unquantized.json"),
+        &[
+            "--teacher-forced-only".as_ref(),
+            "--write-golden".as_ref(),
+            written.as_os_str(),
+        ],
+    )?;
+    let reference = &fixture.golden;
+    let ours = candle_core::safetensors::load(&written, &Device::Cpu)?;
+    let sequences = (0..)
+        .take_while(|i| reference.contains_key(&format!("seq{i}.input_ids")))
+        .count();
+    assert!(sequences > 0);
+    for i in 0..sequences {
+        let ids = format!("seq{i}.input_ids");
+        assert_eq!(
+            ours[&ids].to_vec1::<i64>()?,
+            reference[&ids].to_vec1::<i64>()?
+        );
+        let logits = format!("seq{i}.logits_f32");
+        assert_eq!(ours[&logits].dims(), reference[&logits].dims(), "{logits}");
+    }
+    // The unquantized model's greedy run is the reference's in float32.
+    for key in ["gen.prompt_ids", "gen.output_ids"] {
+        assert_eq!(
+            ours[key].to_vec1::<i64>()?,
+            reference[key].to_vec1::<i64>()?,
+            "{key}"
+        );
+    }
+
+    let json = out.join("q8_0.json");
+    let stdout = run_align(
+        &fixture.model_dir,
+        &golden_path,
+        "f32",
+        &json,
+        &[
+            "--isq".as_ref(),
+            "q8_0".as_ref(),
+            "--teacher-forced-only".as_ref(),
+        ],
+    )?;
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(&json)?)?;
+    assert_eq!(report["isq"], "Q8_0", "{stdout}");
+    for mode in ["prefill", "incremental", "chunked"] {
+        let stats = &report["modes"][mode];
+        let top1 = number(stats, "top1_match")?;
+        let mean = number(stats, "mean_abs_logprob_diff")?;
+        assert!(top1 >= Q8_0_TOP1, "{mode}: top-1 {top1}\n{stdout}");
+        assert!(mean <= Q8_0_MEAN_DIFF, "{mode}: mean |Δ| {mean}\n{stdout}");
+    }
+    assert!(report["modes"]["greedy"]["not_run"].is_string(), "{stdout}");
+    std::fs::remove_dir_all(&out)?;
+    Ok(())
+}
