@@ -22,7 +22,9 @@
 # $SCALE_CONCURRENCY, default 1,64,256, then batch-1 decode end to end),
 # scale-isq (that checkpoint served with each ISQ type of $SCALE_ISQ: load time,
 # memory, batch-1 decode end to end, the sweep at concurrency 64),
-# scale-interference (16 streams on that checkpoint while a
+# scale-align-isq (that checkpoint quantized to each type of $SCALE_ISQ,
+# teacher-forced against the unquantized bf16 model), isq (the ISQ and UQFF
+# serving tests on the GPU), scale-interference (16 streams on that checkpoint while a
 # $SCALE_LONG_PROMPT-token prompt, default 32768, prefills), scale-soak (the
 # load tool's soak on that checkpoint: $SOAK_CLIENTS clients, default 256, for
 # $SOAK_MINUTES whole minutes, default 8, 10 % hang-ups, $SOAK_INVALID of invalid requests,
@@ -163,6 +165,27 @@ scale_isq() {
     return "$code"
 }
 
+# The scale-align-isq step: the 40-layer checkpoint quantized to each type of
+# $SCALE_ISQ against the unquantized bf16 model, teacher-forced on the ids of
+# the bundled model's golden file: the bf16 run writes its own golden file
+# first (its comparison with the bundled model's logits fails: another
+# vocabulary, exit status 2), then each quantized run is compared with it.
+scale_align_isq() {
+    local golden=/tmp/berrylm-os-40l-bf16-golden.safetensors isq code=0
+    scale_checkpoint || return 1
+    "$BIN/berrylm-align" --model "$SCALE_CHECKPOINT" \
+        --golden tests/fixtures/trained-tiny/golden.safetensors --dtype bf16 --device cuda \
+        --teacher-forced-only --write-golden "$golden" > /dev/null
+    [ -f "$golden" ] || return 1
+    for isq in ${SCALE_ISQ:-q4k q8_0}; do
+        "$BIN/berrylm-align" --model "$SCALE_CHECKPOINT" --golden "$golden" --dtype bf16 \
+            --device cuda --isq "$isq" --teacher-forced-only \
+            ${OUT:+--json "$OUT/align-40l-$isq.json"} > "/tmp/berrylm-align-40l-$isq.txt" || code=1
+        head -n 9 "/tmp/berrylm-align-40l-$isq.txt"
+    done
+    return "$code"
+}
+
 # Serves the 40-layer checkpoint (paged attention, a 16 GiB KV pool, at most
 # $1 sequences) and runs the rest of the arguments, a command, against it.
 with_scale_server() {
@@ -276,6 +299,8 @@ step() {
         "$BIN/test-server_invariance" --test-threads 1 ;;
     invariance-contiguous) BERRYLM_SERVER_ARGS="--paged-attn off" \
         "$BIN/test-server_invariance" --test-threads 1 ;;
+    isq) "$BIN/test-server_isq" --test-threads 1 ;;
+    scale-align-isq) scale_align_isq ;;
     template) BERRYLM_SERVER_ARGS="--paged-attn on --pa-memory-mb 1024" \
         "$BIN/test-server_chat_template" --test-threads 1 ;;
     e2e) e2e ;;

@@ -126,6 +126,16 @@ fn compare_mode(golden: &Golden, logits: &[Tensor]) -> anyhow::Result<Vec<Vec<Po
                 ours.len(),
                 sequence.logits_f32.len()
             );
+            let (reference_vocab, our_vocab) = (
+                sequence.logits_f32.first().map_or(0, Vec::len),
+                ours.first().map_or(0, Vec::len),
+            );
+            anyhow::ensure!(
+                reference_vocab == our_vocab,
+                "{}: the golden file's logits have {reference_vocab} entries, the model's \
+                 {our_vocab}: not the same vocabulary",
+                sequence.name
+            );
             Ok(stats::compare_rows(&sequence.logits_f32, &ours))
         })
         .collect()
@@ -405,4 +415,30 @@ fn markdown(header: &[&str], rows: &[Vec<String>]) -> String {
         out.push_str(&line(&mut row.iter().map(String::as_str)));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::modes::Sequence;
+    use candle_core::Device;
+
+    #[test]
+    fn logits_of_another_vocabulary_are_refused() {
+        let golden = Golden {
+            sequences: vec![Sequence {
+                name: "seq0".into(),
+                ids: vec![1, 2],
+                logits_f32: vec![vec![0.0; 3], vec![0.0; 3]],
+                logits_bf16: None,
+            }],
+            prompt_ids: vec![1],
+            output_ids: vec![2],
+        };
+        let same = Tensor::zeros((2, 3), candle_core::DType::F32, &Device::Cpu).unwrap();
+        assert_eq!(compare_mode(&golden, &[same]).unwrap()[0].len(), 2);
+        let wider = Tensor::zeros((2, 4), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let error = compare_mode(&golden, &[wider]).unwrap_err().to_string();
+        assert!(error.contains("3 entries, the model's 4"), "{error}");
+    }
 }

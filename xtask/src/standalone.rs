@@ -11,14 +11,16 @@ pub const TOOLS: [&str; 3] = ["mistralrs", "berrylm-align", "berrylm-bench"];
 
 /// Test targets whose executables run on the GPU machine: the kernels
 /// against their CPU reference, and the serving tests (paged attention is
-/// only on in CUDA builds; device errors are injected there).
-pub const TESTS: [&str; 6] = [
+/// only on in CUDA builds; device errors are injected there; quantized
+/// experts run in the host's indexed kernels there).
+pub const TESTS: [&str; 7] = [
     "cuda",
     "server_invariance",
     "server_paged",
     "server_chat_template",
     "server_e2e",
     "server_model_errors",
+    "server_isq",
 ];
 
 /// The newest executable `deps/{name}-{16 hex digits}` of a target folder.
