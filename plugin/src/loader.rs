@@ -84,17 +84,30 @@ impl NormalModelLoader for BerryLmLoader {
     }
 
     /// The host's paged decode kernels take head sizes 64, 80, 96, 112, 128,
-    /// 192, 256 and 512; other checkpoints keep the contiguous KV cache.
+    /// 192, 256 and 512; other checkpoints keep the contiguous KV cache, and
+    /// so does a checkpoint without full-attention layers (the host's paged
+    /// KV pool divides its memory among them).
     fn supports_paged_attention(&self, config: &str) -> Result<bool> {
         let cfg = BerryLmConfig::from_json(config)?;
-        let supported = PAGED_HEAD_SIZES.contains(&cfg.head_dim);
-        if !supported {
-            tracing::info!(
-                "BerryLM: head_dim {} has no paged attention kernel; using the contiguous KV cache",
-                cfg.head_dim
-            );
+        let reason = paged_attention_unsupported(&cfg);
+        if let Some(reason) = &reason {
+            tracing::info!("BerryLM: {reason}; using the contiguous KV cache");
         }
-        Ok(supported)
+        Ok(reason.is_none())
+    }
+}
+
+/// Why the host's paged attention cannot hold this model's KV cache, if so.
+fn paged_attention_unsupported(cfg: &BerryLmConfig) -> Option<String> {
+    if cfg.num_full_attention_layers() == 0 {
+        Some("no full-attention layer, so no KV cache to page".into())
+    } else if !PAGED_HEAD_SIZES.contains(&cfg.head_dim) {
+        Some(format!(
+            "head_dim {} has no paged attention kernel",
+            cfg.head_dim
+        ))
+    } else {
+        None
     }
 }
 
@@ -117,7 +130,7 @@ fn log_quantization(model: &mut BerryLm, loading_isq: bool) -> Result<()> {
         tracing::info!(
             "BerryLM: {} of its {} quantizable projections come from the UQFF file",
             report.withheld,
-            report.projections
+            report.host_layers
         );
     } else {
         tracing::info!("BerryLM: in-situ quantization {report}");
@@ -251,5 +264,27 @@ impl DeviceMappedModelLoader for BerryLmLoader {
     fn model_config(&self, config: &str) -> Result<Box<dyn ModelConfigLike>> {
         let cfg = BerryLmConfig::from_json(config)?;
         Ok(Box::new(model_metadata(&cfg, cfg.num_hidden_layers)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(json: &str) -> BerryLmConfig {
+        BerryLmConfig::from_json(json).unwrap()
+    }
+
+    #[test]
+    fn paged_attention_needs_a_kernel_head_size_and_an_attention_layer() {
+        assert_eq!(paged_attention_unsupported(&config("{}")), None);
+        let odd_head = paged_attention_unsupported(&config(r#"{"head_dim": 12}"#)).unwrap();
+        assert!(odd_head.contains("head_dim 12"), "{odd_head}");
+        let kda_only = config(
+            r#"{"num_hidden_layers": 2, "layer_types": ["linear_attention", "linear_attention"]}"#,
+        );
+        assert_eq!(kda_only.num_full_attention_layers(), 0);
+        let reason = paged_attention_unsupported(&kda_only).unwrap();
+        assert!(reason.contains("no full-attention layer"), "{reason}");
     }
 }

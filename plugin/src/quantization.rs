@@ -60,11 +60,8 @@ pub fn quantizable_tensors_moqe() -> std::result::Result<Vec<Regex>, regex::Erro
 /// What the host's ISQ made of a loaded model's projections.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QuantizationReport {
-    /// The checkpoint projections the host holds (in its layers,
-    /// `IsqModel::get_layers`; stacked experts count one per expert and
-    /// projection).
-    pub projections: usize,
-    /// Of these, quantized.
+    /// The projections the host holds (`IsqModel::get_layers`).
+    pub host_layers: usize,
     pub quantized: usize,
     /// Withheld by the checkpoint, for the host to load from a UQFF file.
     pub withheld: usize,
@@ -82,13 +79,7 @@ impl QuantizationReport {
         let layers = model
             .host_layers_mut()
             .into_iter()
-            .map(|(layer, _)| {
-                Ok((
-                    layer.state()?,
-                    layer.full_precision_bytes(),
-                    layer.projections(),
-                ))
-            })
+            .map(|(layer, _)| Ok((layer.state()?, layer.full_precision_bytes())))
             .collect::<Result<Vec<_>>>()?;
         if layers.is_empty() {
             return Ok(None);
@@ -99,23 +90,22 @@ impl QuantizationReport {
             .map(|(_, tensor)| tensor.elem_count() * tensor.dtype().size_in_bytes())
             .sum();
         let mut report = QuantizationReport {
-            projections: 0,
+            host_layers: layers.len(),
             quantized: 0,
             withheld: 0,
             full_precision_bytes: others,
             bytes: others,
         };
-        for (state, full_precision_bytes, projections) in layers {
-            report.projections += projections;
+        for (state, full_precision_bytes) in layers {
             report.full_precision_bytes += full_precision_bytes;
             report.bytes += match state {
                 HostLayerState::Quantized { bytes } => {
-                    report.quantized += projections;
+                    report.quantized += 1;
                     bytes
                 }
                 HostLayerState::FullPrecision => full_precision_bytes,
                 HostLayerState::Withheld => {
-                    report.withheld += projections;
+                    report.withheld += 1;
                     0
                 }
             };
@@ -134,7 +124,7 @@ impl std::fmt::Display for QuantizationReport {
             "quantized {} of {} projections; the weights take {} bytes ({:.1} MiB), {} bytes \
              ({:.1} MiB) in full precision",
             self.quantized,
-            self.projections,
+            self.host_layers,
             self.bytes,
             mebibytes(self.bytes),
             self.full_precision_bytes,

@@ -14,14 +14,10 @@
 //! gate are one stacked projection.
 //!
 //! When the host quantizes in this load (in-situ quantization, or a UQFF
-//! file), the experts' projections are the host's layers
-//! (`crate::layers::projection`): on CUDA, for the quantization types the
-//! host has indexed MoE kernels for (its GGUF types, `q4k`, `q8_0`, ...) and
-//! for UQFF files, every expert's gate | up and down projections stacked
-//! into two layers that run on the routed ids where they lie, as the host's
-//! own MoE models do; otherwise each expert's projections one by one, every
-//! expert run on its own tokens. The router and the shared expert's gate
-//! stay in full precision.
+//! file), each expert's projections are the host's layers
+//! (`crate::layers::projection`) and every expert runs on its own tokens
+//! through the host's quantized matmuls, on the CPU and on CUDA; the router
+//! and the shared expert's gate stay in full precision.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -102,10 +98,6 @@ enum Experts {
     /// The host's fused MoE (CUDA, f16/bf16): every routed token of every
     /// expert in one launch per projection.
     Fused(Arc<MoEExperts>),
-    /// Quantized by the host (or filled from a UQFF file) on CUDA: every
-    /// expert's gate | up `[E, 2I, H]` and down `[E, H, I]` projections as
-    /// two host layers, run by its indexed kernels on the routed ids.
-    Gathered { gate_up: HostLayer, down: HostLayer },
 }
 
 /// Tokens and weights routed to each expert, in token order.
@@ -160,8 +152,6 @@ impl SparseMoe {
                     .collect::<crate::error::Result<Vec<_>>>()?
             };
             Experts::Fused(Arc::new(load_fused(tensors, weights, cfg)?))
-        } else if gathered_experts_apply(weights) {
-            load_gathered(&experts_weights, cfg)?
         } else if stacked && !weights.host_quantizes() {
             let gate_up =
                 experts_weights.get((cfg.num_experts, 2 * inter, hidden), "gate_up_proj")?;
@@ -217,17 +207,10 @@ impl SparseMoe {
     /// Its projections the host quantizes or fills, in order.
     pub fn host_layers_mut<'a>(&'a mut self, out: &mut Vec<&'a mut HostLayer>) {
         self.input_proj.host_layers_mut(out);
-        match &mut self.experts {
-            Experts::PerExpert(experts) => {
-                for expert in experts {
-                    expert.host_layers_mut(out);
-                }
+        if let Experts::PerExpert(experts) = &mut self.experts {
+            for expert in experts {
+                expert.host_layers_mut(out);
             }
-            Experts::Gathered { gate_up, down } => {
-                out.push(gate_up);
-                out.push(down);
-            }
-            Experts::Fused(_) => {}
         }
         self.shared_down.host_layers_mut(out);
     }
@@ -246,8 +229,6 @@ impl SparseMoe {
                 "the fused CUDA experts are not exported: they are loaded only when the host \
                  quantizes nothing"
             ),
-            // Host layers: the UQFF file holds them.
-            Experts::Gathered { .. } => {}
         }
         self.shared_down.full_precision_tensors(out)
     }
@@ -281,11 +262,6 @@ impl SparseMoe {
             Experts::PerExpert(experts) => {
                 run_experts(experts, &flat, by_expert(&weights, &ids, experts.len())?)?
             }
-            Experts::Gathered { gate_up, down } => {
-                let gate_up = gate_up.gather_forward(&flat.unsqueeze(1)?, &ids)?;
-                let expert_out = down.gather_forward(&berrylm_kernels::swiglu(&gate_up)?, &ids)?;
-                weighted_sum(&expert_out, &weights)?
-            }
         };
 
         let shared = self
@@ -311,96 +287,6 @@ fn fused_experts_apply(weights: &Weights, cfg: &BerryLmConfig) -> bool {
         && cfg.hidden_size.is_multiple_of(64)
         && cfg.moe_intermediate_size.is_multiple_of(64)
         && !weights.host_quantizes()
-}
-
-/// Whether the host's quantized experts run stacked, on the routed ids
-/// ([`Experts::Gathered`]): on CUDA, when the host quantizes them in a type
-/// it has indexed MoE kernels for (its GGUF types) or fills them from a UQFF
-/// file (the layout `mistralrs quantize` wrote on CUDA).
-fn gathered_experts_apply(weights: &Weights) -> bool {
-    use mistralrs_quant::IsqType::*;
-    if !weights.device().is_cuda() || !weights.host_quantizes() {
-        return false;
-    }
-    match mistralrs_quant::get_immediate_isq() {
-        Some(isq) => matches!(
-            isq.ty,
-            Some(Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q8_1 | Q2K | Q3K | Q4K | Q5K | Q6K | Q8K)
-        ),
-        None => true,
-    }
-}
-
-/// The experts of `experts` as [`Experts::Gathered`], from either checkpoint
-/// layout (stacked `gate_up_proj` / `down_proj`, or one by one); read onto
-/// the CPU when the host quantizes them while loading.
-fn load_gathered(experts: &Weights, cfg: &BerryLmConfig) -> crate::error::Result<Experts> {
-    let (count, hidden, inter) = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size);
-    let stacked = experts.contains("gate_up_proj");
-    let withheld = !stacked && experts.pp(0).pp("gate_proj").withheld("weight");
-    let (gate_up, down) = if withheld {
-        (None, None)
-    } else {
-        let quantized_at_load = mistralrs_quant::should_apply_immediate_isq(
-            experts.pp(0).pp("gate_proj").var_builder(),
-        );
-        let source = if quantized_at_load {
-            experts.on_cpu()
-        } else {
-            experts.clone()
-        };
-        if stacked {
-            (
-                Some(source.get((count, 2 * inter, hidden), "gate_up_proj")?),
-                Some(source.get((count, hidden, inter), "down_proj")?),
-            )
-        } else {
-            let mut gate_up = Vec::with_capacity(count);
-            let mut down = Vec::with_capacity(count);
-            for e in 0..count {
-                let expert = source.pp(e);
-                gate_up.push(Tensor::cat(
-                    &[
-                        expert.pp("gate_proj").get((inter, hidden), "weight")?,
-                        expert.pp("up_proj").get((inter, hidden), "weight")?,
-                    ],
-                    0,
-                )?);
-                down.push(expert.pp("down_proj").get((hidden, inter), "weight")?);
-            }
-            (
-                Some(Tensor::stack(&gate_up, 0)?),
-                Some(Tensor::stack(&down, 0)?),
-            )
-        }
-    };
-    Ok(Experts::Gathered {
-        gate_up: HostLayer::stacked_experts(
-            experts,
-            "gate_proj",
-            (count, 2 * inter, hidden),
-            gate_up,
-            2 * count,
-        )?,
-        down: HostLayer::stacked_experts(
-            experts,
-            "down_proj",
-            (count, hidden, inter),
-            down,
-            count,
-        )?,
-    })
-}
-
-/// `Σ_j weights[n, j] · expert_out[n, j]`: `expert_out` `[N, k, H]` and the
-/// routing `weights` `[N, k]` -> `[N, H]`, summed in f32 and rounded once to
-/// the dtype of `weights`.
-fn weighted_sum(expert_out: &Tensor, weights: &Tensor) -> Result<Tensor> {
-    expert_out
-        .to_dtype(DType::F32)?
-        .broadcast_mul(&weights.to_dtype(DType::F32)?.unsqueeze(2)?)?
-        .sum(1)?
-        .to_dtype(weights.dtype())
 }
 
 /// The stacked experts (`gate_up_proj` `[E, 2I, H]`, `down_proj` `[E, H, I]`)

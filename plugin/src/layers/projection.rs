@@ -83,9 +83,6 @@ pub struct HostLayer {
     out_dim: usize,
     /// The bytes of its weights (and bias) in the model's dtype.
     full_precision_bytes: usize,
-    /// The checkpoint projections it holds: 1, or for the routed experts
-    /// stacked, one per expert and projection.
-    projections: usize,
 }
 
 impl HostLayer {
@@ -123,49 +120,7 @@ impl HostLayer {
             layer,
             out_dim: spec.out_dim,
             full_precision_bytes,
-            projections: 1,
         })
-    }
-
-    /// The routed experts' projections of one kind, every expert's stacked:
-    /// `stacked` `[E, out, in]` (the gate and up projections of an expert as
-    /// one `[2I, H]`, or the down projection), or `None` when the checkpoint
-    /// withholds them (a UQFF file holds the layer). Given to the host's
-    /// immediate ISQ under the name of expert 0's projection `name`, as the
-    /// host does with its own stacked experts; run by its indexed kernels
-    /// ([`HostLayer::gather_forward`]). `projections` counts the checkpoint
-    /// projections it holds.
-    pub fn stacked_experts(
-        experts: &Weights,
-        name: &str,
-        shape: (usize, usize, usize),
-        stacked: Option<Tensor>,
-        projections: usize,
-    ) -> crate::error::Result<HostLayer> {
-        let (count, out_dim, in_dim) = shape;
-        let layer: Arc<dyn QuantMethod> = match stacked {
-            None => Arc::new(DummyLayer::new(QuantMethodConfig::Dummy)?),
-            Some(stacked) => {
-                let unquantized: Arc<dyn QuantMethod> = Arc::new(UnquantLinear::new(
-                    QuantMethodConfig::Unquantized(candle_nn::Linear::new(stacked, None)),
-                )?);
-                let predicate = experts.pp(0).pp(name);
-                mistralrs_quant::apply_immediate_isq(unquantized, predicate.var_builder().clone())?
-            }
-        };
-        Ok(HostLayer {
-            layer,
-            out_dim,
-            full_precision_bytes: count * out_dim * in_dim * experts.dtype().size_in_bytes(),
-            projections,
-        })
-    }
-
-    /// For the stacked experts: `x` `[N, 1 or k, in]` through the expert
-    /// `ids` `[N, k]` of each row -> `[N, k, out]`, in the host's indexed
-    /// kernels (in the dtype they take).
-    pub fn gather_forward(&self, x: &Tensor, ids: &Tensor) -> Result<Tensor> {
-        self.layer.gather_forward_autocast(x, ids)
     }
 
     /// `x` `[..., in]` -> `[..., out]`: a quantized layer through the host's
@@ -191,10 +146,6 @@ impl HostLayer {
 
     pub fn full_precision_bytes(&self) -> usize {
         self.full_precision_bytes
-    }
-
-    pub fn projections(&self) -> usize {
-        self.projections
     }
 
     /// What it holds now (waits for a quantization still running).
