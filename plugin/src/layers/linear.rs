@@ -64,6 +64,27 @@ impl Linear {
             bias,
         })
     }
+
+    /// The same projection with zero rows appended, so that its output width
+    /// is a multiple of `multiple`: outputs `out_dim..` are zeros to be
+    /// ignored.
+    pub fn with_rows_padded_to(self, multiple: usize) -> Result<Linear> {
+        let rows = self.out_dim();
+        let padding = rows.next_multiple_of(multiple) - rows;
+        if padding == 0 {
+            return Ok(self);
+        }
+        let pad = |tensor: &Tensor| -> Result<Tensor> {
+            let mut dims = tensor.dims().to_vec();
+            dims[0] = padding;
+            let zeros = Tensor::zeros(dims, tensor.dtype(), tensor.device())?;
+            Tensor::cat(&[tensor, &zeros], 0)
+        };
+        Ok(Linear {
+            weight: pad(&self.weight)?,
+            bias: self.bias.as_ref().map(pad).transpose()?,
+        })
+    }
 }
 
 impl Module for Linear {

@@ -296,6 +296,14 @@ impl Projections {
     }
 }
 
+/// Stacked projections compute a multiple of this many outputs (zero rows
+/// appended): each row of their output then starts 16-byte aligned in
+/// f16/bf16, and cuBLAS takes its aligned kernels. The MoE's stacked input
+/// projection (router, shared expert's gate and up, its gate: 1153 outputs at
+/// BerryLM-OS's size) ran cuBLAS's unaligned `align1` kernel, 0.81 ms per
+/// layer of a 16384-token prompt on the H200 (docs/performance.md).
+const STACKED_ROW_MULTIPLE: usize = 8;
+
 /// A run of full-precision projections as one segment (none when the run is empty).
 fn stacked_segment(run: Vec<(String, Linear)>) -> Result<Option<Segment>> {
     let linear = match run.as_slice() {
@@ -306,7 +314,8 @@ fn stacked_segment(run: Vec<(String, Linear)>) -> Result<Option<Segment>> {
                 .iter()
                 .map(|(_, linear)| linear.clone())
                 .collect::<Vec<_>>(),
-        )?,
+        )?
+        .with_rows_padded_to(STACKED_ROW_MULTIPLE)?,
     };
     let parts = run
         .into_iter()
@@ -372,5 +381,56 @@ impl Projection {
 impl Module for Projection {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.0.forward(x)?.part(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    fn linear(values: &[f32], rows: usize) -> Linear {
+        let weight = Tensor::from_slice(values, (rows, values.len() / rows), &Device::Cpu).unwrap();
+        Linear::new(weight, None)
+    }
+
+    #[test]
+    fn stacked_projections_read_their_own_outputs_and_export_their_own_weights() {
+        // Widths 2 and 1 (3 outputs, padded to 8) over inputs of 2.
+        let a = linear(&[1.0, 0.0, 0.0, 1.0], 2);
+        let b = linear(&[2.0, 3.0], 1);
+        let segment = stacked_segment(vec![("a".into(), a), ("b".into(), b)])
+            .unwrap()
+            .unwrap();
+        let projections = Projections::from_segments(vec![segment]);
+        let x = Tensor::from_slice(&[5.0f32, 7.0], (1, 2), &Device::Cpu).unwrap();
+        let projected = projections.forward(&x).unwrap();
+        assert_eq!(projected.outputs[0].dims(), &[1, STACKED_ROW_MULTIPLE]);
+        assert_eq!(
+            projected.part(0).unwrap().to_vec2::<f32>().unwrap(),
+            [[5.0, 7.0]]
+        );
+        assert_eq!(
+            projected.part(1).unwrap().to_vec2::<f32>().unwrap(),
+            [[31.0]]
+        );
+        assert_eq!(
+            projected.span(0..2).unwrap().to_vec2::<f32>().unwrap(),
+            [[5.0, 7.0, 31.0]]
+        );
+        let mut exported = Vec::new();
+        projections.full_precision_tensors(&mut exported).unwrap();
+        let shapes: Vec<(String, Vec<usize>)> = exported
+            .iter()
+            .map(|(name, tensor)| (name.clone(), tensor.dims().to_vec()))
+            .collect();
+        assert_eq!(
+            shapes,
+            [
+                ("a.weight".to_string(), vec![2, 2]),
+                ("b.weight".to_string(), vec![1, 2])
+            ]
+        );
+        assert_eq!(exported[1].1.dtype(), DType::F32);
     }
 }
