@@ -47,13 +47,22 @@ impl NormalModelLoader for BerryLmLoader {
         let paged = matches!(attention_mechanism, AttentionImplementation::PagedAttention);
         let mut model = BerryLm::load(cfg, &weights, paged)?;
         log_quantization(&mut model, loading_isq)?;
+        let cfg = model.config();
+        let kda_layers = cfg.num_hidden_layers - cfg.num_full_attention_layers();
         tracing::info!(
-            "BerryLM: {} layers ({} KDA, {} full attention), {} experts top-{}",
-            model.config().num_hidden_layers,
-            model.config().num_hidden_layers - model.config().num_full_attention_layers(),
-            model.config().num_full_attention_layers(),
-            model.config().num_experts,
-            model.config().num_experts_per_tok
+            "BerryLM: {} layers ({kda_layers} KDA, {} full attention), {} experts top-{}",
+            cfg.num_hidden_layers,
+            cfg.num_full_attention_layers(),
+            cfg.num_experts,
+            cfg.num_experts_per_tok
+        );
+        // What a sequence holds besides its KV cache, for sizing the KV pool
+        // (`--pa-memory-mb`) beside `--max-seqs` sequences.
+        let recurrent_bytes = kda_layers * cfg.recurrent_values_per_kda_layer() * 4;
+        tracing::info!(
+            "BerryLM: each sequence holds {recurrent_bytes} bytes ({:.1} MiB) of recurrent state \
+             (f32, {kda_layers} KDA layers) besides its KV cache",
+            recurrent_bytes as f64 / (1024.0 * 1024.0)
         );
         Ok(Box::new(BerryLmHostModel::new(
             model,
