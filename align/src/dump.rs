@@ -32,11 +32,7 @@ pub fn save(
         }
     }
     if let Some(tokens) = greedy_tokens {
-        let ids: Vec<i64> = tokens.iter().map(|&id| i64::from(id)).collect();
-        tensors.insert(
-            "gen.output_ids".into(),
-            Tensor::new(ids.as_slice(), &Device::Cpu)?,
-        );
+        tensors.insert("gen.output_ids".into(), ids_tensor(tokens)?);
     }
     candle_core::safetensors::save(&tensors, path)
         .with_context(|| format!("writing {}", path.display()))
@@ -51,17 +47,22 @@ pub fn save_golden(
     prefill: &[Tensor],
     greedy_tokens: &[u32],
 ) -> Result<()> {
-    let ids = |ids: &[u32]| -> candle_core::Result<Tensor> {
-        let ids: Vec<i64> = ids.iter().map(|&id| i64::from(id)).collect();
-        Tensor::new(ids.as_slice(), &Device::Cpu)
-    };
     let mut tensors: HashMap<String, Tensor> = HashMap::new();
     for (sequence, logits) in golden.sequences.iter().zip(prefill) {
-        tensors.insert(format!("{}.input_ids", sequence.name), ids(&sequence.ids)?);
+        tensors.insert(
+            format!("{}.input_ids", sequence.name),
+            ids_tensor(&sequence.ids)?,
+        );
         tensors.insert(format!("{}.logits_f32", sequence.name), logits.clone());
     }
-    tensors.insert("gen.prompt_ids".into(), ids(&golden.prompt_ids)?);
-    tensors.insert("gen.output_ids".into(), ids(greedy_tokens)?);
+    tensors.insert("gen.prompt_ids".into(), ids_tensor(&golden.prompt_ids)?);
+    tensors.insert("gen.output_ids".into(), ids_tensor(greedy_tokens)?);
     candle_core::safetensors::save(&tensors, path)
         .with_context(|| format!("writing {}", path.display()))
+}
+
+/// Token ids as the golden files hold them: i64 on the CPU.
+fn ids_tensor(ids: &[u32]) -> candle_core::Result<Tensor> {
+    let ids: Vec<i64> = ids.iter().map(|&id| i64::from(id)).collect();
+    Tensor::new(ids.as_slice(), &Device::Cpu)
 }
