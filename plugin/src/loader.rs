@@ -139,7 +139,7 @@ fn log_quantization(model: &mut BerryLm, loading_isq: bool) -> Result<()> {
         tracing::info!(
             "BerryLM: {} of its {} quantizable projections come from the UQFF file",
             report.withheld,
-            report.host_layers
+            report.projections
         );
     } else {
         tracing::info!("BerryLM: in-situ quantization {report}");

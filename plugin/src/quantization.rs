@@ -9,7 +9,13 @@
 //! (`in_proj_b`) and forget-gate projections (`f_down_proj`, `f_up_proj`),
 //! the conv, `A_log`, `dt_bias`, the norms, AttnRes and the embedding.
 
-use candle_core::Result;
+use std::borrow::Cow;
+use std::sync::Arc;
+
+use candle_core::quantized::{GgmlDType, QStorage, QTensor};
+use candle_core::{Device, Result, Tensor};
+use mistralrs_quant::{GgufMatMul, IsqType, QuantMethod, QuantMethodConfig};
+use rayon::prelude::*;
 use regex::Regex;
 
 use crate::layers::projection::HostLayerState;
@@ -57,11 +63,68 @@ pub fn quantizable_tensors_moqe() -> std::result::Result<Vec<Regex>, regex::Erro
     compile(&QUANTIZABLE_MOQE)
 }
 
+/// Whether the host has indexed MoE kernels for stacked experts quantized to
+/// `ty` (its GGUF types; in a CUDA build, those its CUDA kernels take).
+pub fn stacked_experts_quantizable(ty: IsqType) -> bool {
+    GgmlDType::try_from(ty).is_ok()
+}
+
+/// Every `[out, in]` weight of `weights` quantized to the GGUF type of `ty`,
+/// each on its own thread (candle quantizes a tensor on one), their blocks
+/// laid end to end as one `[E, out, in]` tensor on `device`: the layout of
+/// the host's stacked experts, which its indexed MoE kernels read. Rows whose
+/// width the type's blocks do not divide take the host's fallback type.
+pub fn quantize_stacked(weights: &[Tensor], ty: IsqType, device: &Device) -> Result<GgufMatMul> {
+    let (out_dim, in_dim) = weights
+        .first()
+        .ok_or_else(|| candle_core::Error::Msg("no expert weights to quantize".into()))?
+        .dims2()?;
+    let dtype = gguf_type_for_width(GgmlDType::try_from(ty)?, in_dim);
+    let blocks = weights
+        .par_iter()
+        .map(|weight| {
+            // A copy of its own: candle quantizes a tensor's storage from its
+            // start, whatever the view's offset.
+            let weight = weight.force_contiguous()?;
+            Ok(QTensor::quantize(&weight, dtype)?.data()?.into_owned())
+        })
+        .collect::<Result<Vec<Vec<u8>>>>()?;
+    // Borrowed: candle 0.10.2's `from_data` reads an owned buffer after
+    // dropping it.
+    let blocks = blocks.concat();
+    let storage = QStorage::from_data(Cow::Borrowed(&blocks), device, dtype)?;
+    let stacked = QTensor::new(storage, (weights.len(), out_dim, in_dim))?;
+    GgufMatMul::new(QuantMethodConfig::Gguf {
+        q_weight: Arc::new(stacked),
+        b: None,
+    })
+}
+
+/// `dtype` when its blocks divide rows of `width`, else the host's fallback
+/// (mistralrs-quant's `utils/isq.rs`: the K-quants fall back to the plain
+/// types, `q4k` to `q4_1` ...; a width nothing divides stays in f32).
+fn gguf_type_for_width(dtype: GgmlDType, width: usize) -> GgmlDType {
+    if width.is_multiple_of(dtype.block_size()) {
+        return dtype;
+    }
+    match dtype {
+        GgmlDType::Q2K | GgmlDType::Q3K => gguf_type_for_width(GgmlDType::Q4_0, width),
+        GgmlDType::Q4K => gguf_type_for_width(GgmlDType::Q4_1, width),
+        GgmlDType::Q5K => gguf_type_for_width(GgmlDType::Q5_0, width),
+        GgmlDType::Q6K => gguf_type_for_width(GgmlDType::Q5_1, width),
+        GgmlDType::Q8K => gguf_type_for_width(GgmlDType::Q8_1, width),
+        _ => GgmlDType::F32,
+    }
+}
+
 /// What the host's ISQ made of a loaded model's projections.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QuantizationReport {
-    /// The projections the host holds (`IsqModel::get_layers`).
-    pub host_layers: usize,
+    /// The checkpoint projections the host holds (in its layers,
+    /// `IsqModel::get_layers`; stacked experts count one per expert and
+    /// projection).
+    pub projections: usize,
+    /// Of these, quantized.
     pub quantized: usize,
     /// Withheld by the checkpoint, for the host to load from a UQFF file.
     pub withheld: usize,
@@ -79,7 +142,13 @@ impl QuantizationReport {
         let layers = model
             .host_layers_mut()
             .into_iter()
-            .map(|(layer, _)| Ok((layer.state()?, layer.full_precision_bytes())))
+            .map(|(layer, _)| {
+                Ok((
+                    layer.state()?,
+                    layer.full_precision_bytes(),
+                    layer.projections(),
+                ))
+            })
             .collect::<Result<Vec<_>>>()?;
         if layers.is_empty() {
             return Ok(None);
@@ -90,22 +159,23 @@ impl QuantizationReport {
             .map(|(_, tensor)| tensor.elem_count() * tensor.dtype().size_in_bytes())
             .sum();
         let mut report = QuantizationReport {
-            host_layers: layers.len(),
+            projections: 0,
             quantized: 0,
             withheld: 0,
             full_precision_bytes: others,
             bytes: others,
         };
-        for (state, full_precision_bytes) in layers {
+        for (state, full_precision_bytes, projections) in layers {
+            report.projections += projections;
             report.full_precision_bytes += full_precision_bytes;
             report.bytes += match state {
                 HostLayerState::Quantized { bytes } => {
-                    report.quantized += 1;
+                    report.quantized += projections;
                     bytes
                 }
                 HostLayerState::FullPrecision => full_precision_bytes,
                 HostLayerState::Withheld => {
-                    report.withheld += 1;
+                    report.withheld += projections;
                     0
                 }
             };
@@ -124,11 +194,79 @@ impl std::fmt::Display for QuantizationReport {
             "quantized {} of {} projections; the weights take {} bytes ({:.1} MiB), {} bytes \
              ({:.1} MiB) in full precision",
             self.quantized,
-            self.host_layers,
+            self.projections,
             self.bytes,
             mebibytes(self.bytes),
             self.full_precision_bytes,
             mebibytes(self.full_precision_bytes)
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::DType;
+
+    fn experts(count: usize, rows: usize, width: usize) -> Vec<Tensor> {
+        (0..count)
+            .map(|_| Tensor::randn(0f32, 1.0, (rows, width), &Device::Cpu).unwrap())
+            .collect()
+    }
+
+    /// Stacked, each expert's blocks are what candle makes of that expert
+    /// alone, in expert order.
+    fn assert_stacks_each_expert(weights: &[Tensor], ty: IsqType, expected: GgmlDType) {
+        let stacked = quantize_stacked(weights, ty, &Device::Cpu).unwrap();
+        let (out_dim, in_dim) = weights[0].dims2().unwrap();
+        let dequantized = stacked.dequantize_w().unwrap();
+        assert_eq!(dequantized.dims(), &[weights.len(), out_dim, in_dim]);
+        for (e, weight) in weights.iter().enumerate() {
+            // `dequantize_w` gives the weights through f16, as the host's
+            // GGUF layers do.
+            // A tensor of its own, from the values (candle quantizes a
+            // view's storage from its start).
+            let values: Vec<f32> = weight.to_vec2::<f32>().unwrap().concat();
+            let weight = Tensor::from_vec(values, (out_dim, in_dim), &Device::Cpu).unwrap();
+            let alone = QTensor::quantize(&weight, expected)
+                .unwrap()
+                .dequantize(&Device::Cpu)
+                .unwrap()
+                .to_dtype(DType::F16)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap();
+            let ours = dequantized.get(e).unwrap().to_dtype(DType::F32).unwrap();
+            let difference = (ours - alone)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert_eq!(difference, 0.0, "expert {e}");
+        }
+    }
+
+    #[test]
+    fn stacked_experts_are_each_expert_quantized_alone() {
+        assert_stacks_each_expert(&experts(3, 4, 256), IsqType::Q4K, GgmlDType::Q4K);
+        assert_stacks_each_expert(&experts(3, 2, 64), IsqType::Q8_0, GgmlDType::Q8_0);
+    }
+
+    #[test]
+    fn rows_the_type_does_not_divide_take_the_hosts_fallback() {
+        // 128 columns: not a multiple of the K-quants' 256.
+        assert_stacks_each_expert(&experts(2, 4, 128), IsqType::Q4K, GgmlDType::Q4_1);
+        assert_eq!(gguf_type_for_width(GgmlDType::Q6K, 64), GgmlDType::Q5_1);
+        assert_eq!(gguf_type_for_width(GgmlDType::Q8_0, 16), GgmlDType::F32);
+    }
+
+    #[test]
+    fn the_experts_of_a_stacked_view_are_quantized_from_their_own_rows() {
+        let stacked = Tensor::randn(0f32, 1.0, (3, 4, 64), &Device::Cpu).unwrap();
+        let views: Vec<Tensor> = (0..3).map(|e| stacked.get(e).unwrap()).collect();
+        assert_stacks_each_expert(&views, IsqType::Q8_0, GgmlDType::Q8_0);
     }
 }

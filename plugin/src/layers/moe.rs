@@ -14,10 +14,14 @@
 //! gate are one stacked projection.
 //!
 //! When the host quantizes in this load (in-situ quantization, or a UQFF
-//! file), each expert's projections are the host's layers
-//! (`crate::layers::projection`) and every expert runs on its own tokens
-//! through the host's quantized matmuls, on the CPU and on CUDA; the router
-//! and the shared expert's gate stay in full precision.
+//! file), the experts' projections are the host's layers
+//! (`crate::layers::projection`): on CUDA, for the quantization types the
+//! host has indexed MoE kernels for (its GGUF types, `q4k`, `q8_0`, ...) and
+//! for UQFF files, every expert's gate | up and down projections stacked
+//! into two layers that run on the routed ids where they lie, as the host's
+//! own MoE models do; otherwise each expert's projections one by one, every
+//! expert run on its own tokens. The router and the shared expert's gate
+//! stay in full precision.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -98,6 +102,10 @@ enum Experts {
     /// The host's fused MoE (CUDA, f16/bf16): every routed token of every
     /// expert in one launch per projection.
     Fused(Arc<MoEExperts>),
+    /// Quantized by the host (or filled from a UQFF file) on CUDA: every
+    /// expert's gate | up `[E, 2I, H]` and down `[E, H, I]` projections as
+    /// two host layers, run by its indexed kernels on the routed ids.
+    Gathered { gate_up: HostLayer, down: HostLayer },
 }
 
 /// Tokens and weights routed to each expert, in token order.
@@ -152,6 +160,8 @@ impl SparseMoe {
                     .collect::<crate::error::Result<Vec<_>>>()?
             };
             Experts::Fused(Arc::new(load_fused(tensors, weights, cfg)?))
+        } else if gathered_experts_apply(weights) {
+            load_gathered(&experts_weights, cfg)?
         } else if stacked && !weights.host_quantizes() {
             let gate_up =
                 experts_weights.get((cfg.num_experts, 2 * inter, hidden), "gate_up_proj")?;
@@ -207,10 +217,17 @@ impl SparseMoe {
     /// Its projections the host quantizes or fills, in order.
     pub fn host_layers_mut<'a>(&'a mut self, out: &mut Vec<&'a mut HostLayer>) {
         self.input_proj.host_layers_mut(out);
-        if let Experts::PerExpert(experts) = &mut self.experts {
-            for expert in experts {
-                expert.host_layers_mut(out);
+        match &mut self.experts {
+            Experts::PerExpert(experts) => {
+                for expert in experts {
+                    expert.host_layers_mut(out);
+                }
             }
+            Experts::Gathered { gate_up, down } => {
+                out.push(gate_up);
+                out.push(down);
+            }
+            Experts::Fused(_) => {}
         }
         self.shared_down.host_layers_mut(out);
     }
@@ -229,6 +246,8 @@ impl SparseMoe {
                 "the fused CUDA experts are not exported: they are loaded only when the host \
                  quantizes nothing"
             ),
+            // Host layers: the UQFF file holds them.
+            Experts::Gathered { .. } => {}
         }
         self.shared_down.full_precision_tensors(out)
     }
@@ -262,6 +281,11 @@ impl SparseMoe {
             Experts::PerExpert(experts) => {
                 run_experts(experts, &flat, by_expert(&weights, &ids, experts.len())?)?
             }
+            Experts::Gathered { gate_up, down } => {
+                let gate_up = gate_up.gather_forward(&flat.unsqueeze(1)?, &ids)?;
+                let expert_out = down.gather_forward(&berrylm_kernels::swiglu(&gate_up)?, &ids)?;
+                weighted_sum(&expert_out, &weights)?
+            }
         };
 
         let shared = self
@@ -287,6 +311,94 @@ fn fused_experts_apply(weights: &Weights, cfg: &BerryLmConfig) -> bool {
         && cfg.hidden_size.is_multiple_of(64)
         && cfg.moe_intermediate_size.is_multiple_of(64)
         && !weights.host_quantizes()
+}
+
+/// Whether the host's quantized experts run stacked, on the routed ids
+/// ([`Experts::Gathered`]): on CUDA (as the host's own MoE models), when the
+/// host quantizes them to a type it has indexed MoE kernels for (its GGUF
+/// types) or fills them from a UQFF file (the layout `mistralrs quantize`
+/// writes on CUDA).
+fn gathered_experts_apply(weights: &Weights) -> bool {
+    if !weights.device().is_cuda() || !weights.host_quantizes() {
+        return false;
+    }
+    match mistralrs_quant::get_immediate_isq() {
+        Some(isq) => isq
+            .ty
+            .is_some_and(crate::quantization::stacked_experts_quantizable),
+        None => true,
+    }
+}
+
+/// The experts of `experts` as [`Experts::Gathered`], from either checkpoint
+/// layout (stacked `gate_up_proj` / `down_proj`, or one by one); read onto
+/// the CPU when the host quantizes them while loading.
+fn load_gathered(experts: &Weights, cfg: &BerryLmConfig) -> crate::error::Result<Experts> {
+    let (count, hidden, inter) = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size);
+    let stacked = experts.contains("gate_up_proj");
+    let withheld = !stacked && experts.pp(0).pp("gate_proj").withheld("weight");
+    let (gate_up, down) = if withheld {
+        (None, None)
+    } else {
+        let quantized_at_load = mistralrs_quant::should_apply_immediate_isq(
+            experts.pp(0).pp("gate_proj").var_builder(),
+        );
+        let source = if quantized_at_load {
+            experts.on_cpu()
+        } else {
+            experts.clone()
+        };
+        let mut gate_up = Vec::with_capacity(count);
+        let mut down = Vec::with_capacity(count);
+        if stacked {
+            let gate_ups = source.get((count, 2 * inter, hidden), "gate_up_proj")?;
+            let downs = source.get((count, hidden, inter), "down_proj")?;
+            for e in 0..count {
+                gate_up.push(gate_ups.i(e)?);
+                down.push(downs.i(e)?);
+            }
+        } else {
+            for e in 0..count {
+                let expert = source.pp(e);
+                gate_up.push(Tensor::cat(
+                    &[
+                        expert.pp("gate_proj").get((inter, hidden), "weight")?,
+                        expert.pp("up_proj").get((inter, hidden), "weight")?,
+                    ],
+                    0,
+                )?);
+                down.push(expert.pp("down_proj").get((hidden, inter), "weight")?);
+            }
+        }
+        (Some(gate_up), Some(down))
+    };
+    Ok(Experts::Gathered {
+        gate_up: HostLayer::stacked_experts(
+            experts,
+            "gate_proj",
+            (count, 2 * inter, hidden),
+            gate_up,
+            2 * count,
+        )?,
+        down: HostLayer::stacked_experts(
+            experts,
+            "down_proj",
+            (count, hidden, inter),
+            down,
+            count,
+        )?,
+    })
+}
+
+/// `Σ_j weights[n, j] · expert_out[n, j]`: `expert_out` `[N, k, H]` and the
+/// routing `weights` `[N, k]` -> `[N, H]`, summed in f32 and rounded once to
+/// the dtype of `weights`.
+fn weighted_sum(expert_out: &Tensor, weights: &Tensor) -> Result<Tensor> {
+    expert_out
+        .to_dtype(DType::F32)?
+        .broadcast_mul(&weights.to_dtype(DType::F32)?.unsqueeze(2)?)?
+        .sum(1)?
+        .to_dtype(weights.dtype())
 }
 
 /// The stacked experts (`gate_up_proj` `[E, 2I, H]`, `down_proj` `[E, H, I]`)

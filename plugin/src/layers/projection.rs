@@ -25,6 +25,7 @@ use candle_core::{Module, Result, Tensor, D};
 use mistralrs_quant::{DummyLayer, QuantMethod, QuantMethodConfig, UnquantLinear};
 
 use crate::layers::linear::Linear;
+use crate::quantization;
 use crate::weights::Weights;
 
 /// One projection of a group: its checkpoint name (relative to the group's
@@ -83,6 +84,9 @@ pub struct HostLayer {
     out_dim: usize,
     /// The bytes of its weights (and bias) in the model's dtype.
     full_precision_bytes: usize,
+    /// The checkpoint projections it holds: 1, or for the routed experts
+    /// stacked, one per expert and projection.
+    projections: usize,
 }
 
 impl HostLayer {
@@ -120,7 +124,54 @@ impl HostLayer {
             layer,
             out_dim: spec.out_dim,
             full_precision_bytes,
+            projections: 1,
         })
+    }
+
+    /// The routed experts' projections of one kind, every expert's stacked
+    /// into one `[E, out, in]` layer: `weights` holds each expert's `[out,
+    /// in]` (the gate and up projections of an expert as one `[2I, H]`, or
+    /// the down projection), or is `None` when the checkpoint withholds them
+    /// (a UQFF file holds the layer). When the host's immediate ISQ matches
+    /// the name of expert 0's projection `name` (as for its own stacked
+    /// experts), they are quantized, each expert on its own thread
+    /// ([`quantization::quantize_stacked`]). Run by the host's indexed
+    /// kernels ([`HostLayer::gather_forward`]). `projections` counts the
+    /// checkpoint projections it holds.
+    pub fn stacked_experts(
+        experts: &Weights,
+        name: &str,
+        shape: (usize, usize, usize),
+        weights: Option<Vec<Tensor>>,
+        projections: usize,
+    ) -> crate::error::Result<HostLayer> {
+        let (count, out_dim, in_dim) = shape;
+        let predicate = experts.pp(0).pp(name);
+        let layer: Arc<dyn QuantMethod> = match weights {
+            None => Arc::new(DummyLayer::new(QuantMethodConfig::Dummy)?),
+            Some(weights) => match mistralrs_quant::immediate_isq_match(predicate.var_builder()) {
+                Some(isq) => {
+                    let device = isq.device.unwrap_or_else(|| experts.device().clone());
+                    Arc::new(quantization::quantize_stacked(&weights, isq.ty, &device)?)
+                }
+                None => Arc::new(UnquantLinear::new(QuantMethodConfig::Unquantized(
+                    candle_nn::Linear::new(Tensor::stack(&weights, 0)?, None),
+                ))?),
+            },
+        };
+        Ok(HostLayer {
+            layer,
+            out_dim,
+            full_precision_bytes: count * out_dim * in_dim * experts.dtype().size_in_bytes(),
+            projections,
+        })
+    }
+
+    /// For the stacked experts: `x` `[N, 1 or k, in]` through the expert
+    /// `ids` `[N, k]` of each row -> `[N, k, out]`, in the host's indexed
+    /// kernels (in the dtype they take).
+    pub fn gather_forward(&self, x: &Tensor, ids: &Tensor) -> Result<Tensor> {
+        self.layer.gather_forward_autocast(x, ids)
     }
 
     /// `x` `[..., in]` -> `[..., out]`: a quantized layer through the host's
@@ -146,6 +197,10 @@ impl HostLayer {
 
     pub fn full_precision_bytes(&self) -> usize {
         self.full_precision_bytes
+    }
+
+    pub fn projections(&self) -> usize {
+        self.projections
     }
 
     /// What it holds now (waits for a quantization still running).
