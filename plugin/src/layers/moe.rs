@@ -284,7 +284,7 @@ impl SparseMoe {
             Experts::Gathered { gate_up, down } => {
                 let gate_up = gate_up.gather_forward(&flat.unsqueeze(1)?, &ids)?;
                 let expert_out = down.gather_forward(&berrylm_kernels::swiglu(&gate_up)?, &ids)?;
-                weighted_sum(&expert_out, &weights)?
+                weighted_sum(&expert_out, &weights, dtype)?
             }
         };
 
@@ -391,14 +391,14 @@ fn load_gathered(experts: &Weights, cfg: &BerryLmConfig) -> crate::error::Result
 }
 
 /// `Σ_j weights[n, j] · expert_out[n, j]`: `expert_out` `[N, k, H]` and the
-/// routing `weights` `[N, k]` -> `[N, H]`, summed in f32 and rounded once to
-/// the dtype of `weights`.
-fn weighted_sum(expert_out: &Tensor, weights: &Tensor) -> Result<Tensor> {
+/// routing `weights` `[N, k]` (f32) -> `[N, H]`, summed in f32 and rounded
+/// once to `dtype`.
+fn weighted_sum(expert_out: &Tensor, weights: &Tensor, dtype: DType) -> Result<Tensor> {
     expert_out
         .to_dtype(DType::F32)?
-        .broadcast_mul(&weights.to_dtype(DType::F32)?.unsqueeze(2)?)?
+        .broadcast_mul(&weights.unsqueeze(2)?)?
         .sum(1)?
-        .to_dtype(weights.dtype())
+        .to_dtype(dtype)
 }
 
 /// The stacked experts (`gate_up_proj` `[E, 2I, H]`, `down_proj` `[E, H, I]`)
@@ -500,4 +500,29 @@ fn run_experts(experts: &[Expert], x: &Tensor, routed: Routed) -> Result<Tensor>
         out = out.index_add(&index, &weighted, 0)?;
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn routed_outputs_are_summed_with_their_f32_weights_into_the_activation_dtype() {
+        // Two tokens, two experts each, hidden 2; outputs in bf16 as the
+        // host's indexed kernels give them, routing weights in f32 as
+        // `moe_route` gives them.
+        let expert_out = Tensor::new(
+            &[[[1.0f32, 2.0], [3.0, 4.0]], [[-1.0, 0.5], [2.0, -2.0]]],
+            &Device::Cpu,
+        )
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+        let weights = Tensor::new(&[[0.75f32, 0.25], [0.5, 0.5]], &Device::Cpu).unwrap();
+        let sum = weighted_sum(&expert_out, &weights, DType::BF16).unwrap();
+        assert_eq!(sum.dtype(), DType::BF16);
+        let sum: Vec<Vec<f32>> = sum.to_dtype(DType::F32).unwrap().to_vec2().unwrap();
+        assert_eq!(sum, [[1.5, 2.5], [0.5, -0.75]]);
+    }
 }
