@@ -281,6 +281,21 @@ impl SparseMoe {
             Experts::PerExpert(experts) => {
                 run_experts(experts, &flat, by_expert(&weights, &ids, experts.len())?)?
             }
+            // Prompts (and large decode batches): the host's indexed kernels
+            // read an expert's weights once per routed row, so the experts
+            // are dequantized for the call and run as the full-precision
+            // ones, with the reference's rounding points.
+            Experts::Gathered { gate_up, down }
+                if ids.elem_count() >= DEQUANTIZED_EXPERTS_MIN_ROUTED_ROWS =>
+            {
+                berrylm_kernels::moe_experts(
+                    &flat,
+                    &weights,
+                    &ids,
+                    &gate_up.dequantized(dtype)?,
+                    &down.dequantized(dtype)?,
+                )?
+            }
             Experts::Gathered { gate_up, down } => {
                 let gate_up = gate_up.gather_forward(&flat.unsqueeze(1)?, &ids)?;
                 let expert_out = down.gather_forward(&berrylm_kernels::swiglu(&gate_up)?, &ids)?;
@@ -299,6 +314,15 @@ impl SparseMoe {
         )?)
     }
 }
+
+/// From this many routed rows (tokens x top-k) the quantized experts of
+/// [`Experts::Gathered`] are dequantized for the call. The host's indexed
+/// kernels read a chosen expert's quantized weights once for each of its
+/// rows (1.8 MB a row at BerryLM-OS's size in q4k), dequantizing every
+/// expert costs a fixed ~5.6 GB of memory traffic a layer (through the
+/// host's f16 and an f32 copy): about equal at 512 rows on an H200, an
+/// estimate from those byte counts (a 64-sequence decode step is 512 rows).
+const DEQUANTIZED_EXPERTS_MIN_ROUTED_ROWS: usize = 512;
 
 /// Whether the experts run in the host's fused MoE kernels: on CUDA, in f16 or
 /// bf16 (their only dtypes), when the host quantizes nothing in this load (it

@@ -15,15 +15,20 @@
 //!
 //! Projections of one input form a [`Projections`] group: each run of
 //! adjacent full-precision projections is stacked into one matmul (their
-//! weights' rows in order), so a model the host does not quantize computes
-//! each group in one launch and reads its parts as views of that output.
+//! weights' rows in order), and so is each run of adjacent host layers (one
+//! host layer quantized from their stacked rows: attention's `q|k|v`, KDA's
+//! `in_proj_qkv|in_proj_z`, the shared expert's `gate|up`), so a group
+//! computes in as few launches as its kinds allow and its parts are views of
+//! those outputs. (Under the GGUF types a row is quantized on its own, so the
+//! stacked layer holds exactly the rows of the projections quantized alone.)
 
 use std::ops::Range;
 use std::sync::Arc;
 
-use candle_core::{Module, Result, Tensor, D};
+use candle_core::{DType, Module, Result, Tensor, D};
 use mistralrs_quant::{DummyLayer, QuantMethod, QuantMethodConfig, UnquantLinear};
 
+use crate::error::BerryLmError;
 use crate::layers::linear::Linear;
 use crate::quantization;
 use crate::weights::Weights;
@@ -90,28 +95,65 @@ pub struct HostLayer {
 }
 
 impl HostLayer {
-    /// The projection `spec` of `weights`: a placeholder the host replaces
-    /// when the checkpoint withholds it, else its weights given to the host's
+    /// The projections `specs` of `weights` (adjacent projections of one
+    /// input, all with or all without a bias; at least one) as one layer, their weights'
+    /// rows stacked in order: a placeholder the host replaces when the
+    /// checkpoint withholds them, else their weights given to the host's
     /// immediate ISQ (read onto the CPU first when it quantizes them, as the
-    /// host's own layers are).
-    fn load(weights: &Weights, spec: &ProjectionSpec<'_>) -> crate::error::Result<HostLayer> {
-        let module = weights.pp(spec.name);
+    /// host's own layers are). One layer computes them all in one quantized
+    /// matmul (for the GGUF types, each row quantized as on its own).
+    fn load(weights: &Weights, specs: &[ProjectionSpec<'_>]) -> crate::error::Result<HostLayer> {
+        let first = specs[0];
+        let (in_dim, bias) = (first.in_dim, first.bias);
+        let out_dim: usize = specs.iter().map(|spec| spec.out_dim).sum();
         let dtype_bytes = weights.dtype().size_in_bytes();
         let full_precision_bytes =
-            (spec.out_dim * spec.in_dim + if spec.bias { spec.out_dim } else { 0 }) * dtype_bytes;
-        let layer: Arc<dyn QuantMethod> = if module.withheld("weight") {
+            (out_dim * in_dim + if bias { out_dim } else { 0 }) * dtype_bytes;
+        let withheld = specs
+            .iter()
+            .filter(|spec| weights.pp(spec.name).withheld("weight"))
+            .count();
+        let module = weights.pp(first.name);
+        let layer: Arc<dyn QuantMethod> = if withheld == specs.len() {
             Arc::new(DummyLayer::new(QuantMethodConfig::Dummy)?)
+        } else if withheld > 0 {
+            return Err(BerryLmError::Weight {
+                name: weights.full_name(first.name),
+                message: format!(
+                    "the checkpoint withholds {withheld} of the {} projections {} (one layer of \
+                     a UQFF file holds them all): all or none",
+                    specs.len(),
+                    specs
+                        .iter()
+                        .map(|spec| spec.name)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            });
         } else {
             let quantized_at_load =
                 mistralrs_quant::should_apply_immediate_isq(module.var_builder());
             let source = if quantized_at_load && !module.device().is_cpu() {
-                module.on_cpu()
+                weights.on_cpu()
             } else {
-                module.clone()
+                weights.clone()
             };
-            let weight = source.get((spec.out_dim, spec.in_dim), "weight")?;
-            let bias = if spec.bias {
-                Some(source.get(spec.out_dim, "bias")?)
+            let read = |name: &str| -> crate::error::Result<Vec<Tensor>> {
+                specs
+                    .iter()
+                    .map(|spec| {
+                        let shape: Vec<usize> = if name == "weight" {
+                            vec![spec.out_dim, spec.in_dim]
+                        } else {
+                            vec![spec.out_dim]
+                        };
+                        Ok(source.pp(spec.name).get(shape, name)?)
+                    })
+                    .collect()
+            };
+            let weight = Tensor::cat(&read("weight")?, 0)?;
+            let bias = if bias {
+                Some(Tensor::cat(&read("bias")?, 0)?)
             } else {
                 None
             };
@@ -122,9 +164,9 @@ impl HostLayer {
         };
         Ok(HostLayer {
             layer,
-            out_dim: spec.out_dim,
+            out_dim,
             full_precision_bytes,
-            projections: 1,
+            projections: specs.len(),
         })
     }
 
@@ -172,6 +214,12 @@ impl HostLayer {
     /// kernels (in the dtype they take).
     pub fn gather_forward(&self, x: &Tensor, ids: &Tensor) -> Result<Tensor> {
         self.layer.gather_forward_autocast(x, ids)
+    }
+
+    /// Its weights `[..., out, in]` in full precision, in `dtype` (for a
+    /// quantized layer, dequantized on its device).
+    pub fn dequantized(&self, dtype: DType) -> Result<Tensor> {
+        self.layer.dequantize_w()?.to_dtype(dtype)
     }
 
     /// `x` `[..., in]` -> `[..., out]`: a quantized layer through the host's
@@ -226,21 +274,25 @@ enum Segment {
         /// Each projection's checkpoint name and output width, in row order.
         parts: Vec<(String, usize)>,
     },
-    Host(HostLayer),
+    Host {
+        layer: HostLayer,
+        /// Each projection's output width, in row order.
+        widths: Vec<usize>,
+    },
 }
 
 impl Segment {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             Segment::Stacked { linear, .. } => linear.forward(x),
-            Segment::Host(layer) => layer.forward(x),
+            Segment::Host { layer, .. } => layer.forward(x),
         }
     }
 
     fn widths(&self) -> Vec<usize> {
         match self {
             Segment::Stacked { parts, .. } => parts.iter().map(|(_, width)| *width).collect(),
-            Segment::Host(layer) => vec![layer.out_dim],
+            Segment::Host { widths, .. } => widths.clone(),
         }
     }
 }
@@ -261,11 +313,13 @@ pub struct Projections {
 }
 
 impl Projections {
-    /// Loads `specs` from `weights`, each a host layer or in full precision
-    /// (adjacent full-precision ones stacked).
+    /// Loads `specs` from `weights`, each a host layer or in full precision:
+    /// adjacent full-precision ones stacked into one matmul, and adjacent
+    /// host layers (of the same bias) into one host layer.
     pub fn load(weights: &Weights, specs: &[ProjectionSpec<'_>]) -> crate::error::Result<Self> {
         let mut segments = Vec::new();
         let mut run: Vec<(String, Linear)> = Vec::new();
+        let mut host_run: Vec<ProjectionSpec<'_>> = Vec::new();
         for spec in specs {
             let module = weights.pp(spec.name);
             let host_layer = spec.quantizable
@@ -273,14 +327,23 @@ impl Projections {
                     || mistralrs_quant::should_apply_immediate_isq(module.var_builder()));
             if host_layer {
                 segments.extend(stacked_segment(std::mem::take(&mut run))?);
-                segments.push(Segment::Host(HostLayer::load(weights, spec)?));
+                if host_run.last().is_some_and(|last| last.bias != spec.bias) {
+                    segments.push(host_segment(weights, &std::mem::take(&mut host_run))?);
+                }
+                host_run.push(*spec);
             } else {
+                if !host_run.is_empty() {
+                    segments.push(host_segment(weights, &std::mem::take(&mut host_run))?);
+                }
                 let linear =
                     Linear::load(weights, spec.name, spec.in_dim, spec.out_dim, spec.bias)?;
                 run.push((weights.full_name(spec.name), linear));
             }
         }
         segments.extend(stacked_segment(run)?);
+        if !host_run.is_empty() {
+            segments.push(host_segment(weights, &host_run)?);
+        }
         Ok(Projections::from_segments(segments))
     }
 
@@ -322,7 +385,7 @@ impl Projections {
     /// The host layers, in order.
     pub fn host_layers_mut<'a>(&'a mut self, out: &mut Vec<&'a mut HostLayer>) {
         for segment in &mut self.segments {
-            if let Segment::Host(layer) = segment {
+            if let Segment::Host { layer, .. } = segment {
                 out.push(layer);
             }
         }
@@ -377,6 +440,14 @@ fn stacked_segment(run: Vec<(String, Linear)>) -> Result<Option<Segment>> {
         .map(|(name, linear)| (name, linear.out_dim()))
         .collect();
     Ok(Some(Segment::Stacked { linear, parts }))
+}
+
+/// Adjacent host-layer projections (at least one) as one segment.
+fn host_segment(weights: &Weights, specs: &[ProjectionSpec<'_>]) -> crate::error::Result<Segment> {
+    Ok(Segment::Host {
+        layer: HostLayer::load(weights, specs)?,
+        widths: specs.iter().map(|spec| spec.out_dim).collect(),
+    })
 }
 
 /// The outputs of a [`Projections`] group for one input.
