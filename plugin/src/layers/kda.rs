@@ -155,8 +155,9 @@ impl Kda {
         let key_dim = self.num_key_heads * self.key_head_dim;
         let value_dim = self.num_value_heads * self.value_head_dim;
 
-        // Views of the stacked projection's columns: for one token they are
-        // contiguous, so no kernel below copies them.
+        // Views of the stacked projection's columns (contiguous for one
+        // token), or for prompts each its own tensor: no kernel below copies
+        // them.
         let projected = self.in_proj.forward(x)?;
         let mixed = projected.part(0)?;
         let z = projected.part(1)?;

@@ -65,6 +65,19 @@ impl Linear {
         })
     }
 
+    /// The projection of its output rows `offset..offset + width` (views of
+    /// its weight and bias).
+    pub fn rows(&self, offset: usize, width: usize) -> Result<Linear> {
+        Ok(Linear {
+            weight: self.weight.narrow(0, offset, width)?,
+            bias: self
+                .bias
+                .as_ref()
+                .map(|bias| bias.narrow(0, offset, width))
+                .transpose()?,
+        })
+    }
+
     /// The same projection with zero rows appended, so that its output width
     /// is a multiple of `multiple`: outputs `out_dim..` are zeros to be
     /// ignored.

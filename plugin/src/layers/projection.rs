@@ -282,10 +282,21 @@ enum Segment {
 }
 
 impl Segment {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor) -> Result<SegmentOutput> {
         match self {
-            Segment::Stacked { linear, .. } => linear.forward(x),
-            Segment::Host { layer, .. } => layer.forward(x),
+            Segment::Stacked { linear, parts }
+                if parts.len() > 1 && rows(x) >= SPLIT_PROMPT_MIN_ROWS =>
+            {
+                let mut offset = 0;
+                let mut outputs = Vec::with_capacity(parts.len());
+                for (_, width) in parts {
+                    outputs.push(linear.rows(offset, *width)?.forward(x)?);
+                    offset += width;
+                }
+                Ok(SegmentOutput::Split(outputs))
+            }
+            Segment::Stacked { linear, .. } => Ok(SegmentOutput::Joint(linear.forward(x)?)),
+            Segment::Host { layer, .. } => Ok(SegmentOutput::Joint(layer.forward(x)?)),
         }
     }
 
@@ -297,10 +308,32 @@ impl Segment {
     }
 }
 
-/// Where a projection's output lies: its segment and its columns there.
+/// From this many input rows (prompts), stacked full-precision projections
+/// are computed part by part, each into its own tensor: the kernels that
+/// read a part (the conv, the norms, the routing) then take it as it is,
+/// where a column slice of the stacked output would be copied first (a
+/// 16384-token prompt copied 0.4 GB a KDA layer). Decode batches keep one
+/// launch for the group.
+const SPLIT_PROMPT_MIN_ROWS: usize = 256;
+
+/// The rows of `x` `[..., in]`: the product of its leading dimensions.
+fn rows(x: &Tensor) -> usize {
+    x.dims().iter().rev().skip(1).product()
+}
+
+/// A segment's output for one input: its parts' columns side by side, or
+/// each part's own tensor.
+enum SegmentOutput {
+    Joint(Tensor),
+    Split(Vec<Tensor>),
+}
+
+/// Where a projection's output lies: its segment, its index among the
+/// segment's parts and its columns in the segment's joint output.
 #[derive(Debug, Clone, Copy)]
 struct PartPlace {
     segment: usize,
+    index: usize,
     offset: usize,
     width: usize,
 }
@@ -357,9 +390,10 @@ impl Projections {
         let mut places = Vec::new();
         for (segment, widths) in segments.iter().map(Segment::widths).enumerate() {
             let mut offset = 0;
-            for width in widths {
+            for (index, width) in widths.into_iter().enumerate() {
                 places.push(PartPlace {
                     segment,
+                    index,
                     offset,
                     width,
                 });
@@ -452,15 +486,19 @@ fn host_segment(weights: &Weights, specs: &[ProjectionSpec<'_>]) -> crate::error
 
 /// The outputs of a [`Projections`] group for one input.
 pub struct Projected<'a> {
-    outputs: Vec<Tensor>,
+    outputs: Vec<SegmentOutput>,
     places: &'a [PartPlace],
 }
 
 impl Projected<'_> {
-    /// Projection `index`'s output (a view of its segment's output).
+    /// Projection `index`'s output (a view of its segment's joint output, or
+    /// its own).
     pub fn part(&self, index: usize) -> Result<Tensor> {
         let place = self.places[index];
-        self.outputs[place.segment].narrow(D::Minus1, place.offset, place.width)
+        match &self.outputs[place.segment] {
+            SegmentOutput::Joint(output) => output.narrow(D::Minus1, place.offset, place.width),
+            SegmentOutput::Split(outputs) => Ok(outputs[place.index].clone()),
+        }
     }
 
     /// The outputs of projections `parts` side by side: a view when one
@@ -468,9 +506,11 @@ impl Projected<'_> {
     pub fn span(&self, parts: Range<usize>) -> Result<Tensor> {
         let places = &self.places[parts.clone()];
         if let [first, ..] = places {
-            if places.iter().all(|place| place.segment == first.segment) {
-                let width = places.iter().map(|place| place.width).sum();
-                return self.outputs[first.segment].narrow(D::Minus1, first.offset, width);
+            if let SegmentOutput::Joint(output) = &self.outputs[first.segment] {
+                if places.iter().all(|place| place.segment == first.segment) {
+                    let width = places.iter().map(|place| place.width).sum();
+                    return output.narrow(D::Minus1, first.offset, width);
+                }
             }
         }
         let outputs = parts
@@ -531,7 +571,10 @@ mod tests {
         let projections = Projections::from_segments(vec![segment]);
         let x = Tensor::from_slice(&[5.0f32, 7.0], (1, 2), &Device::Cpu).unwrap();
         let projected = projections.forward(&x).unwrap();
-        assert_eq!(projected.outputs[0].dims(), &[1, STACKED_ROW_MULTIPLE]);
+        let SegmentOutput::Joint(joint) = &projected.outputs[0] else {
+            panic!("one row computed part by part");
+        };
+        assert_eq!(joint.dims(), &[1, STACKED_ROW_MULTIPLE]);
         assert_eq!(
             projected.part(0).unwrap().to_vec2::<f32>().unwrap(),
             [[5.0, 7.0]]
@@ -558,5 +601,44 @@ mod tests {
             ]
         );
         assert_eq!(exported[1].1.dtype(), DType::F32);
+    }
+
+    #[test]
+    fn prompt_rows_take_each_part_as_its_own_tensor_with_the_same_values() {
+        // Widths 3 and 2 over inputs of 4; a prompt of SPLIT_PROMPT_MIN_ROWS
+        // rows against each part's own product x W^T.
+        let (a_values, b_values): (Vec<f32>, Vec<f32>) = (
+            (0..12).map(|i| i as f32 * 0.5 - 2.0).collect(),
+            (0..8).map(|i| 1.0 - i as f32 * 0.25).collect(),
+        );
+        let segment = stacked_segment(vec![
+            ("a".into(), linear(&a_values, 3)),
+            ("b".into(), linear(&b_values, 2)),
+        ])
+        .unwrap()
+        .unwrap();
+        let projections = Projections::from_segments(vec![segment]);
+        let rows = SPLIT_PROMPT_MIN_ROWS;
+        let x_values: Vec<f32> = (0..rows * 4).map(|i| ((i % 7) as f32) - 3.0).collect();
+        let x = Tensor::from_slice(&x_values, (1, rows, 4), &Device::Cpu).unwrap();
+        let projected = projections.forward(&x).unwrap();
+        assert!(matches!(projected.outputs[0], SegmentOutput::Split(_)));
+        for (index, (values, width)) in [(&a_values, 3), (&b_values, 2)].into_iter().enumerate() {
+            let weight = Tensor::from_slice(values, (width, 4), &Device::Cpu).unwrap();
+            let expected = x.broadcast_matmul(&weight.t().unwrap()).unwrap();
+            let part = projected.part(index).unwrap();
+            assert!(part.is_contiguous());
+            assert_eq!(part.dims(), &[1, rows, width]);
+            assert_eq!(
+                part.to_vec3::<f32>().unwrap(),
+                expected.to_vec3::<f32>().unwrap()
+            );
+        }
+        let span = projected.span(0..2).unwrap();
+        assert_eq!(span.dims(), &[1, rows, 5]);
+        assert_eq!(
+            span.narrow(2, 3, 2).unwrap().to_vec3::<f32>().unwrap(),
+            projected.part(1).unwrap().to_vec3::<f32>().unwrap()
+        );
     }
 }
