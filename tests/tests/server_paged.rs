@@ -1,10 +1,16 @@
 //! Paged attention against the contiguous KV cache through the real server:
 //! the same greedy tokens on every fixture, and on the trained model the same
-//! log-probabilities within 1e-3. The host pages only in CUDA builds, so these
+//! log-probabilities within 1e-3; the recurrent state of `--max-seqs`
+//! sequences reserved before the paged KV cache is sized, and enough for any
+//! load. The host pages only in CUDA builds, so these
 //! tests are ignored in CI and run on the GPU machine (docs/performance.md):
 //! `test-server_paged --ignored` with the CUDA `mistralrs` as BERRYLM_HOST_BIN.
 
+use std::thread;
+use std::time::{Duration, Instant};
+
 use anyhow::{Context, Result};
+use berrylm_tests::metrics::{recurrent_bytes_per_sequence, SLOTS_IN_USE, SLOTS_TOTAL};
 use berrylm_tests::server::Server;
 use berrylm_tests::{Fixture, FIXTURES};
 use serde_json::{json, Value};
@@ -106,5 +112,68 @@ fn paged_and_contiguous_kv_give_the_same_logprobs_on_the_trained_model() -> Resu
             );
         }
     }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA build of the host (paged attention); run on the GPU machine"]
+fn the_recurrent_state_of_max_seqs_sequences_is_reserved_before_the_kv_cache_and_suffices(
+) -> Result<()> {
+    const MAX_SEQS: usize = 12;
+    const REQUESTS: usize = 30;
+    let fixture = Fixture::load("trained-tiny")?;
+    let max_seqs = MAX_SEQS.to_string();
+    let args: Vec<&str> = PAGED
+        .iter()
+        .copied()
+        .chain(["--max-seqs", &max_seqs])
+        .collect();
+    let server = Server::start(&fixture.model_dir, &args)?;
+
+    let reserved = recurrent_bytes_per_sequence(&fixture.model_dir)? * MAX_SEQS as u64;
+    let reserved_line = format!(
+        "Recurrent state reserved for {MAX_SEQS} sequences: {:.1} MiB",
+        reserved as f64 / (1024.0 * 1024.0)
+    );
+    let log = server.log();
+    let reserved_at = log
+        .find(&reserved_line)
+        .with_context(|| format!("no `{reserved_line}` in the log:\n{log}"))?;
+    let kv_sized_at = log
+        .find("for PagedAttention KV cache")
+        .with_context(|| format!("no paged KV cache in the log:\n{log}"))?;
+    assert!(
+        reserved_at < kv_sized_at,
+        "the KV cache was sized before the recurrent state was reserved:\n{log}"
+    );
+    assert_eq!(server.metrics()?[SLOTS_TOTAL], MAX_SEQS as f64);
+
+    // More requests than sequences run at once: those beyond wait, all complete.
+    let server = &server;
+    thread::scope(|scope| {
+        let requests: Vec<_> = (0..REQUESTS)
+            .map(|i| scope.spawn(move || server.completion(&format!("{i} + 5 is"), 24)))
+            .collect();
+        for request in requests {
+            let response = request.join().expect("request thread panicked")?;
+            let reason = &response["choices"][0]["finish_reason"];
+            anyhow::ensure!(reason == "stop" || reason == "length", "{response}");
+        }
+        Ok(())
+    })?;
+    // The last step's slots are freed just after its responses went out.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut served = server.metrics()?;
+    while served[SLOTS_IN_USE] > 0.0 && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(100));
+        served = server.metrics()?;
+    }
+    assert_eq!(served[SLOTS_TOTAL], MAX_SEQS as f64, "{served:#?}");
+    assert_eq!(served[SLOTS_IN_USE], 0.0, "{served:#?}");
+    assert!(
+        !server.log().contains("Recurrent state pool grew"),
+        "{}",
+        server.log()
+    );
     Ok(())
 }
