@@ -4,12 +4,12 @@ use std::collections::HashMap;
 use std::fmt::Debug;
 
 use anyhow::Result;
-use candle_core::DType;
+use candle_core::{DType, Device};
 use mistralrs_core::matformer::MatformerSliceConfig;
 use mistralrs_core::plugin_api::{
-    AttentionImplementation, AutoDeviceMapParams, DeviceMappedModelLoader, IsqModelLoader,
-    LoraConfig, ModelConfigLike, NormalLoadingMetadata, NormalModel, NormalModelLoader,
-    XLoraConfig, ATTENTION_CHUNK_SIZE,
+    AttentionImplementation, AutoDeviceMapParams, DeviceMappedModelLoader, DeviceMapper,
+    IsqModelLoader, LoraConfig, ModelConfigLike, NormalLoadingMetadata, NormalModel,
+    NormalModelLoader, XLoraConfig, ATTENTION_CHUNK_SIZE,
 };
 use mistralrs_core::Ordering;
 use mistralrs_quant::ShardedVarBuilder;
@@ -40,6 +40,7 @@ impl NormalModelLoader for BerryLmLoader {
     ) -> Result<Box<dyn NormalModel + Send + Sync>> {
         let cfg = BerryLmConfig::from_json(config)?;
         let device = normal_loading_metadata.real_device.clone();
+        ensure_one_device(&*normal_loading_metadata.mapper, &device)?;
         // With `loading_isq` the host fills or quantizes layers after loading:
         // the projections a UQFF file holds are withheld from the checkpoint.
         let loading_isq = normal_loading_metadata.loading_isq;
@@ -104,6 +105,31 @@ impl NormalModelLoader for BerryLmLoader {
         }
         Ok(reason.is_none())
     }
+}
+
+/// BerryLM loads every layer, its KV cache and its recurrent state on the
+/// pipeline's device: a device map that spreads the layers over several
+/// devices (`--device-layers`, a `--topology` with devices, or an automatic
+/// map of a model larger than the device) is refused at load, naming them.
+fn ensure_one_device(mapper: &dyn DeviceMapper, device: &Device) -> Result<()> {
+    let mapped = mapper.get_unique_devices();
+    if mapped
+        .iter()
+        .all(|mapped| mapped.location() == device.location())
+    {
+        return Ok(());
+    }
+    let names: Vec<String> = mapped
+        .iter()
+        .map(|mapped| format!("{:?}", mapped.location()))
+        .collect();
+    anyhow::bail!(
+        "BerryLM runs every layer on one device ({:?}), but the device map places its layers \
+         on {}: serve it without `--device-layers` (or a `--topology` naming devices), on a \
+         device with room for the whole model",
+        device.location(),
+        names.join(", ")
+    )
 }
 
 /// Why the host's paged attention cannot hold this model's KV cache, if so.

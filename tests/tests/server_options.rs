@@ -51,3 +51,12 @@ fn a_calibration_file_is_refused_at_load() -> Result<()> {
     std::fs::remove_file(&calibration)?;
     result
 }
+
+/// A device map that leaves layers on the CPU next to a GPU: BerryLM runs
+/// every layer on one device. The host maps only where a GPU is, so this runs
+/// on the GPU machine (`test-server_options --ignored`).
+#[test]
+#[ignore = "needs a CUDA build of the host and a GPU; run on the GPU machine"]
+fn a_device_map_over_several_devices_is_refused_at_load() -> Result<()> {
+    assert_refused(&["--device-layers", "0:4"], "`--device-layers`")
+}

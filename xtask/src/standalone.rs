@@ -12,8 +12,9 @@ pub const TOOLS: [&str; 3] = ["mistralrs", "berrylm-align", "berrylm-bench"];
 /// Test targets whose executables run on the GPU machine: the kernels
 /// against their CPU reference, and the serving tests (paged attention is
 /// only on in CUDA builds; device errors are injected there; quantized
-/// experts run in the host's indexed kernels there).
-pub const TESTS: [&str; 7] = [
+/// experts run in the host's indexed kernels there; device maps are refused
+/// only where there is a GPU to map to).
+pub const TESTS: [&str; 8] = [
     "cuda",
     "server_invariance",
     "server_paged",
@@ -21,6 +22,7 @@ pub const TESTS: [&str; 7] = [
     "server_e2e",
     "server_model_errors",
     "server_isq",
+    "server_options",
 ];
 
 /// The newest executable `deps/{name}-{16 hex digits}` of a target folder.
