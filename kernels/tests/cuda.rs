@@ -1036,6 +1036,14 @@ fn attn_res_matches_cpu_at_model_shapes() -> Result<()> {
         },
     )?;
     attn_res_case(990, 8, HIDDEN, 4, DType::F16, Some(-1.3))?;
+    // More than 8 sources: those past the 4th kept in shared memory (over
+    // 48 KiB of it for 12 f32 ones), or, where they don't fit (28 f32 rows
+    // of 4096), read again in every pass.
+    attn_res_case(991, 64, HIDDEN, 11, DType::BF16, Some(0.7))?;
+    attn_res_case(992, 64, HIDDEN, 16, DType::F16, None)?;
+    attn_res_case(993, 64, HIDDEN, 20, DType::BF16, Some(0.7))?;
+    attn_res_case(994, 64, HIDDEN, 12, DType::F32, None)?;
+    attn_res_case(995, 3, 2 * HIDDEN, 32, DType::F32, Some(0.7))?;
     Ok(())
 }
 

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use berrylm_tests::metrics::{recurrent_bytes_per_sequence, SLOTS_IN_USE, SLOTS_TOTAL};
 use berrylm_tests::server::Server;
-use berrylm_tests::{Fixture, FIXTURES};
+use berrylm_tests::{fixtures_dir, Fixture, FIXTURES};
 use serde_json::{json, Value};
 
 const PAGED: [&str; 6] = [
@@ -121,16 +121,16 @@ fn the_recurrent_state_of_max_seqs_sequences_is_reserved_before_the_kv_cache_and
 ) -> Result<()> {
     const MAX_SEQS: usize = 12;
     const REQUESTS: usize = 30;
-    let fixture = Fixture::load("trained-tiny")?;
+    let model_dir = fixtures_dir().join("trained-tiny/model");
     let max_seqs = MAX_SEQS.to_string();
     let args: Vec<&str> = PAGED
         .iter()
         .copied()
         .chain(["--max-seqs", &max_seqs])
         .collect();
-    let server = Server::start(&fixture.model_dir, &args)?;
+    let server = Server::start(&model_dir, &args)?;
 
-    let reserved = recurrent_bytes_per_sequence(&fixture.model_dir)? * MAX_SEQS as u64;
+    let reserved = recurrent_bytes_per_sequence(&model_dir)? * MAX_SEQS as u64;
     let reserved_line = format!(
         "Recurrent state reserved for {MAX_SEQS} sequences: {:.1} MiB",
         reserved as f64 / (1024.0 * 1024.0)

@@ -4,8 +4,28 @@
 //   mix     = round_x(sum_s p_s * s)           (sources in order, no FMA)
 //   ungated: y = mix
 //   gated:   y = round_x(x + round_x(t * round_x(mix - x))),  t = round_x(tanh(g))
-// The sources are read three times (sums of squares, logits, mixture); a
-// token's rows are small enough to stay in L1/L2 between the passes.
+// The sums of squares and the logit dot products are block reductions in no
+// particular order; the softmax runs in the CPU's order, and the mixture and
+// the gated blend round where the CPU reference does.
+//
+// Two paths, chosen per call:
+// * vector (hidden % 8 == 0, hidden <= 4096, every pointer 16-byte aligned):
+//   a block of round_up(hidden / 8, 32) threads, thread i owning the elements
+//   [8i, 8i + 8) of the token's row, read and written as 16-byte vectors
+//   (two for f32). Each source is read from memory once and kept for the
+//   three passes (sums of squares, logits, mixture): up to 4 or 8 sources
+//   all in registers (a kernel instantiated for each bound); more sources,
+//   the first 4 in registers and the rest in dynamic shared memory, copied
+//   there with cp.async (a thread reads back only what it copied). Where
+//   those rows exceed a block's shared memory, the sources are read again in
+//   every pass instead, 8 at a time. Each pass reduces its per-source
+//   partials over a warp with a transposing butterfly (at each step a lane
+//   hands half of its sums to its partner), then over the warps through
+//   shared memory; warp 0 evaluates the softmax (the denominator summed in
+//   source order) and shares the probabilities.
+// * generic (any other shape): 256 threads stride over the row with scalar
+//   loads and read the sources three times; a token's rows are small enough
+//   to stay in L1/L2 between the passes.
 #include "common.cuh"
 
 namespace berrylm::attn_res {
@@ -40,6 +60,8 @@ __device__ __forceinline__ void block_sums(float (&partial)[kMaxSources], int co
     }
     __syncthreads();
 }
+
+// ----------------------------------------------------------- generic path
 
 template <typename TS, typename TO>
 __global__ void __launch_bounds__(kThreads)
@@ -119,10 +141,421 @@ __global__ void __launch_bounds__(kThreads)
     }
 }
 
+// ------------------------------------------------------------ vector path
+
+constexpr int kVecWidth = 8;  // elements per thread and source
+constexpr int kVecMaxThreads = 512;
+constexpr int kVecMaxWarps = kVecMaxThreads / 32;
+
+// Eight consecutive elements of T as raw 32-bit words (one 16-byte vector for
+// 16-bit T, two for f32).
+template <typename T> struct Pack {
+    static constexpr int kWords = 2 * static_cast<int>(sizeof(T));
+    unsigned int word[kWords];
+};
+
+template <typename T> __device__ __forceinline__ Pack<T> zero_pack() {
+    Pack<T> pack;
+#pragma unroll
+    for (int i = 0; i < Pack<T>::kWords; ++i) pack.word[i] = 0u;
+    return pack;
+}
+
+// `p` must be 16-byte aligned.
+template <typename T> __device__ __forceinline__ Pack<T> load_pack(const T* p) {
+    Pack<T> pack;
+    const uint4* vectors = reinterpret_cast<const uint4*>(p);
+#pragma unroll
+    for (int i = 0; i < Pack<T>::kWords / 4; ++i) {
+        const uint4 v = __ldg(vectors + i);
+        pack.word[4 * i + 0] = v.x;
+        pack.word[4 * i + 1] = v.y;
+        pack.word[4 * i + 2] = v.z;
+        pack.word[4 * i + 3] = v.w;
+    }
+    return pack;
+}
+
+// Element `i` (a compile-time index once unrolled) widened to f32, exactly.
+__device__ __forceinline__ float element(const Pack<float>& pack, int i) {
+    return __uint_as_float(pack.word[i]);
+}
+__device__ __forceinline__ float element(const Pack<__nv_bfloat16>& pack, int i) {
+    const unsigned int w = pack.word[i >> 1];
+    return __uint_as_float((i & 1) != 0 ? (w & 0xffff0000u) : (w << 16));
+}
+__device__ __forceinline__ float element(const Pack<__half>& pack, int i) {
+    const unsigned int w = pack.word[i >> 1];
+    const unsigned short bits = static_cast<unsigned short>((i & 1) != 0 ? (w >> 16) : w);
+    return __half2float(__ushort_as_half(bits));
+}
+
+// Two values rounded to T (RNE) in one 32-bit word, `lo` at the lower address.
+template <typename T> __device__ __forceinline__ unsigned int pair_bits(float lo, float hi);
+template <> __device__ __forceinline__ unsigned int pair_bits<__nv_bfloat16>(float lo, float hi) {
+    const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
+    return static_cast<unsigned int>(__bfloat16_as_ushort(pair.x)) |
+           (static_cast<unsigned int>(__bfloat16_as_ushort(pair.y)) << 16);
+}
+template <> __device__ __forceinline__ unsigned int pair_bits<__half>(float lo, float hi) {
+    const __half2 pair = __floats2half2_rn(lo, hi);
+    return static_cast<unsigned int>(__half_as_ushort(pair.x)) |
+           (static_cast<unsigned int>(__half_as_ushort(pair.y)) << 16);
+}
+
+// Stores eight values converted to T (RNE); `p` must be 16-byte aligned.
+__device__ __forceinline__ void store_pack(float* p, const float (&v)[kVecWidth]) {
+    float4* vectors = reinterpret_cast<float4*>(p);
+    vectors[0] = make_float4(v[0], v[1], v[2], v[3]);
+    vectors[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+template <typename T>
+__device__ __forceinline__ void store_pack(T* p, const float (&v)[kVecWidth]) {
+    *reinterpret_cast<uint4*>(p) =
+        make_uint4(pair_bits<T>(v[0], v[1]), pair_bits<T>(v[2], v[3]),
+                   pair_bits<T>(v[4], v[5]), pair_bits<T>(v[6], v[7]));
+}
+
+// Sums each of v[0..N) over the warp (N a power of two, at most 32): at each
+// butterfly step a lane keeps half of its values, adds its partner's partials
+// of them, and hands the other half over, so N - 1 shuffles reduce N values
+// to one per lane; the steps left sum that one. Returns, in lane l, the warp
+// total of v[l / (32 / N)]; v is clobbered.
+template <int N> __device__ __forceinline__ float warp_sums_transposed(float (&v)[N]) {
+    static_assert(N >= 1 && N <= 32 && (N & (N - 1)) == 0, "N must be a power of two <= 32");
+    const int lane = threadIdx.x & 31;
+    int offset = 16;
+#pragma unroll
+    for (int n = N; n > 1; n >>= 1) {
+        const int half = n >> 1;
+        const bool upper = (lane & offset) != 0;
+#pragma unroll
+        for (int j = 0; j < half; ++j) {
+            const float send = upper ? v[j] : v[j + half];
+            const float keep = upper ? v[j + half] : v[j];
+            v[j] = keep + __shfl_xor_sync(0xffffffffu, send, offset);
+        }
+        offset >>= 1;
+    }
+    float total = v[0];
+#pragma unroll
+    for (; offset > 0; offset >>= 1) total += __shfl_xor_sync(0xffffffffu, total, offset);
+    return total;
+}
+
+// Where a kernel keeps the sources between its three passes.
+enum class Keep {
+    kRegisters,  // num_sources <= kChunk: all in registers
+    kShared,     // [0, kChunk) in registers, the rest in dynamic shared memory
+    kStream,     // nowhere: every pass reads every source again, kChunk at a time
+};
+
+// Registers a thread, by the registers that the packs take: 6 blocks of 256
+// threads a multiprocessor for 4 16-bit sources held, 4 blocks for 8 (or 4
+// held and 4 in flight from shared memory); otherwise 128, what blocks of
+// kVecMaxThreads threads allow.
+constexpr int register_cap(int pack_registers) {
+    return pack_registers <= 16 ? 40 : pack_registers <= 32 ? 64 : 128;
+}
+template <typename TS>
+constexpr int register_cap(Keep keep, int chunk) {
+    return keep == Keep::kStream
+               ? 128
+               : register_cap((keep == Keep::kShared ? 2 : 1) * chunk * Pack<TS>::kWords);
+}
+
+__device__ __forceinline__ void copy_async16(void* shared, const void* global) {
+    const unsigned int address = static_cast<unsigned int>(__cvta_generic_to_shared(shared));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(global)
+                 : "memory");
+}
+
+__device__ __forceinline__ void copy_async_wait_all() {
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
+// blockDim.x = round_up(hidden / kVecWidth, 32) <= kVecMaxThreads. With
+// Keep::kShared (only for num_sources > kChunk), the dynamic shared memory
+// holds (num_sources - kChunk) packs of blockDim.x threads.
+template <typename TS, typename TO, int kChunk, Keep kKeep>
+__global__ void __maxnreg__(register_cap<TS>(kKeep, kChunk))
+    attn_res_mix_vec_kernel(Sources sources, int num_sources, const float* __restrict__ query,
+                            TO* __restrict__ out, int hidden, float eps, int gated,
+                            float strength) {
+    static_assert(kChunk == 4 || kChunk == 8, "chunks of 4 or 8 sources");
+    constexpr int kStride = 32 / kChunk;  // lanes per warp total of a source
+    constexpr int kVectors = Pack<TS>::kWords / 4;  // 16-byte vectors a pack
+    __shared__ float scratch[kVecMaxWarps][kMaxSources];
+    __shared__ float inv_rms[kMaxSources];
+    __shared__ float prob[kMaxSources];
+    extern __shared__ uint4 kept[];  // [source - kChunk][vector][thread]
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warps = blockDim.x >> 5;
+    const bool active = static_cast<int>(threadIdx.x) < hidden / kVecWidth;
+    const long long offset = static_cast<long long>(blockIdx.x) * hidden +
+                             static_cast<long long>(threadIdx.x) * kVecWidth;
+    auto source_row = [&](int s) { return static_cast<const TS*>(sources.ptr[s]) + offset; };
+    auto kept_vector = [&](int s, int k) -> uint4& {
+        return kept[((s - kChunk) * kVectors + k) * blockDim.x + threadIdx.x];
+    };
+    // A thread reads back only the shared memory that it filled itself.
+    auto load_kept = [&](int s) {
+        Pack<TS> pack;
+#pragma unroll
+        for (int k = 0; k < kVectors; ++k) {
+            const uint4 v = kept_vector(s, k);
+            pack.word[4 * k + 0] = v.x;
+            pack.word[4 * k + 1] = v.y;
+            pack.word[4 * k + 2] = v.z;
+            pack.word[4 * k + 3] = v.w;
+        }
+        return pack;
+    };
+
+    // Sources [0, kChunk) stay in `held` (unused when streaming); the others
+    // pass through `work`, kChunk at a time.
+    Pack<TS> held[kChunk];
+    Pack<TS> work[kChunk];
+    auto load_chunk = [&](Pack<TS>(&packs)[kChunk], int base) {
+#pragma unroll
+        for (int c = 0; c < kChunk; ++c) {
+            const int s = base + c;
+            if (s < num_sources) {
+                if (!active) {
+                    packs[c] = zero_pack<TS>();
+                } else if constexpr (kKeep == Keep::kShared) {
+                    packs[c] = load_kept(s);
+                } else {
+                    packs[c] = load_pack(source_row(s));
+                }
+            }
+        }
+    };
+    // Runs body(base, packs) over the chunks of sources, in source order.
+    auto for_each_chunk = [&](auto&& body) {
+        if constexpr (kKeep != Keep::kStream) body(0, held);
+        if constexpr (kKeep != Keep::kRegisters) {
+            for (int base = kKeep == Keep::kStream ? 0 : kChunk; base < num_sources;
+                 base += kChunk) {
+                load_chunk(work, base);
+                body(base, work);
+            }
+        }
+    };
+    // Lane l % kStride == 0 publishes the warp total of source base + l / kStride.
+    auto publish = [&](int base, float (&partial)[kChunk]) {
+        const float total = warp_sums_transposed(partial);
+        const int s = base + lane / kStride;
+        if (lane % kStride == 0 && s < num_sources) scratch[warp][s] = total;
+    };
+
+    if constexpr (kKeep == Keep::kShared) {
+        if (active) {
+            for (int s = kChunk; s < num_sources; ++s) {
+#pragma unroll
+                for (int k = 0; k < kVectors; ++k) {
+                    copy_async16(&kept_vector(s, k),
+                                 reinterpret_cast<const uint4*>(source_row(s)) + k);
+                }
+            }
+        }
+    }
+    if constexpr (kKeep != Keep::kStream) {
+#pragma unroll
+        for (int c = 0; c < kChunk; ++c) {
+            if (c < num_sources) held[c] = active ? load_pack(source_row(c)) : zero_pack<TS>();
+        }
+    }
+    // x, for the gated blend (read back from shared memory where it is kept).
+    Pack<TS> current = zero_pack<TS>();
+    if constexpr (kKeep != Keep::kShared) {
+        if (gated != 0 && active) current = load_pack(source_row(num_sources - 1));
+    }
+    if constexpr (kKeep == Keep::kShared) copy_async_wait_all();
+
+    // Pass 1: sums of squares -> inv_rms.
+    for_each_chunk([&](int base, const Pack<TS>(&packs)[kChunk]) {
+        float partial[kChunk];
+#pragma unroll
+        for (int c = 0; c < kChunk; ++c) {
+            partial[c] = 0.0f;
+            if (base + c < num_sources) {
+#pragma unroll
+                for (int i = 0; i < kVecWidth; ++i) {
+                    const float v = element(packs[c], i);
+                    partial[c] += v * v;
+                }
+            }
+        }
+        publish(base, partial);
+    });
+    __syncthreads();
+    if (static_cast<int>(threadIdx.x) < num_sources) {
+        float total = 0.0f;
+        for (int w = 0; w < warps; ++w) total += scratch[w][threadIdx.x];
+        const float mean_sq = __fdiv_rn(total, static_cast<float>(hidden));
+        inv_rms[threadIdx.x] = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean_sq, eps)));
+    }
+    __syncthreads();
+
+    // Pass 2: logits.
+    float q[kVecWidth];
+    if (active) {
+        const float4* q_vectors = reinterpret_cast<const float4*>(query + threadIdx.x * kVecWidth);
+        const float4 q0 = __ldg(q_vectors);
+        const float4 q1 = __ldg(q_vectors + 1);
+        q[0] = q0.x;
+        q[1] = q0.y;
+        q[2] = q0.z;
+        q[3] = q0.w;
+        q[4] = q1.x;
+        q[5] = q1.y;
+        q[6] = q1.z;
+        q[7] = q1.w;
+    } else {
+#pragma unroll
+        for (int i = 0; i < kVecWidth; ++i) q[i] = 0.0f;
+    }
+    for_each_chunk([&](int base, const Pack<TS>(&packs)[kChunk]) {
+        float partial[kChunk];
+#pragma unroll
+        for (int c = 0; c < kChunk; ++c) {
+            partial[c] = 0.0f;
+            if (base + c < num_sources) {
+                const float r = inv_rms[base + c];
+#pragma unroll
+                for (int i = 0; i < kVecWidth; ++i) {
+                    partial[c] += __fmul_rn(element(packs[c], i), r) * q[i];
+                }
+            }
+        }
+        publish(base, partial);
+    });
+    __syncthreads();
+
+    // Softmax in warp 0: lane s holds logit s; the denominator is summed in
+    // source order, as on the CPU.
+    if (warp == 0) {
+        float logit = -INFINITY;
+        if (lane < num_sources) {
+            logit = 0.0f;
+            for (int w = 0; w < warps; ++w) logit += scratch[w][lane];
+        }
+        const float max_logit = berrylm::warp_max(logit);
+        const float e = lane < num_sources ? expf(__fsub_rn(logit, max_logit)) : 0.0f;
+        float denominator = 0.0f;
+        for (int s = 0; s < num_sources; ++s) {
+            denominator = __fadd_rn(denominator, __shfl_sync(0xffffffffu, e, s));
+        }
+        if (lane < num_sources) prob[lane] = __fdiv_rn(e, denominator);
+    }
+    __syncthreads();
+
+    // Pass 3: the mixture, sources in order, then the gated blend.
+    float mix[kVecWidth];
+#pragma unroll
+    for (int i = 0; i < kVecWidth; ++i) mix[i] = 0.0f;
+    for_each_chunk([&](int base, const Pack<TS>(&packs)[kChunk]) {
+#pragma unroll
+        for (int c = 0; c < kChunk; ++c) {
+            if (base + c < num_sources) {
+                const float p = prob[base + c];
+#pragma unroll
+                for (int i = 0; i < kVecWidth; ++i) {
+                    mix[i] = __fadd_rn(mix[i], __fmul_rn(p, element(packs[c], i)));
+                }
+            }
+        }
+    });
+    if (!active) return;
+    if constexpr (kKeep == Keep::kShared) {
+        if (gated != 0) current = load_kept(num_sources - 1);
+    }
+    float y[kVecWidth];
+#pragma unroll
+    for (int i = 0; i < kVecWidth; ++i) {
+        const float m = berrylm::round_to<TO>(mix[i]);
+        if (gated != 0) {
+            const float x = element(current, i);
+            const float difference = berrylm::round_to<TO>(__fsub_rn(m, x));
+            const float step = berrylm::round_to<TO>(__fmul_rn(strength, difference));
+            y[i] = __fadd_rn(x, step);
+        } else {
+            y[i] = m;
+        }
+    }
+    store_pack(out + offset, y);
+}
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// Static shared memory of attn_res_mix_vec_kernel.
+constexpr int kVecStaticShared = static_cast<int>(sizeof(float)) * (kVecMaxWarps + 2) * kMaxSources;
+
+// `shared_opt_in`: when nonzero, the dynamic shared memory that the kernel is
+// allowed (always the device's maximum, so that concurrent calls agree).
+template <typename TS, typename TO, int kChunk, Keep kKeep>
+int launch_vec(const Sources& sources, int num_sources, const float* query, void* out,
+               long long tokens, int hidden, float eps, int gated, float strength,
+               size_t shared_bytes, int shared_opt_in, cudaStream_t stream) {
+    const int threads = (hidden / kVecWidth + 31) / 32 * 32;
+    auto kernel = attn_res_mix_vec_kernel<TS, TO, kChunk, kKeep>;
+    if (shared_opt_in > 0) {
+        const cudaError_t status = cudaFuncSetAttribute(
+            kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_opt_in);
+        if (status != cudaSuccess) return static_cast<int>(status);
+    }
+    kernel<<<static_cast<unsigned int>(tokens), threads, shared_bytes, stream>>>(
+        sources, num_sources, query, static_cast<TO*>(out), hidden, eps, gated, strength);
+    return berrylm::launch_status();
+}
+
+// The vector path where the shape and the pointers allow it (see the header),
+// the generic kernel otherwise.
 template <typename TS, typename TO>
 int launch(const Sources& sources, int num_sources, const float* query, void* out,
            long long tokens, int hidden, float eps, int gated, float strength,
            cudaStream_t stream) {
+    bool vector = hidden % kVecWidth == 0 && hidden / kVecWidth <= kVecMaxThreads &&
+                  aligned16(query) && aligned16(out);
+    for (int s = 0; s < num_sources; ++s) vector = vector && aligned16(sources.ptr[s]);
+    if (vector) {
+        if (num_sources <= 4) {
+            return launch_vec<TS, TO, 4, Keep::kRegisters>(sources, num_sources, query, out,
+                                                          tokens, hidden, eps, gated, strength,
+                                                          0, 0, stream);
+        }
+        if (num_sources <= 8) {
+            return launch_vec<TS, TO, 8, Keep::kRegisters>(sources, num_sources, query, out,
+                                                          tokens, hidden, eps, gated, strength,
+                                                          0, 0, stream);
+        }
+        const int threads = (hidden / kVecWidth + 31) / 32 * 32;
+        const size_t shared_bytes = static_cast<size_t>(num_sources - 4) * threads *
+                                    kVecWidth * sizeof(TS);
+        // Within the default 48 KiB a block, or opted in up to the device's
+        // maximum (static shared memory included).
+        int shared_limit = 48 * 1024;
+        int shared_opt_in = 0;
+        if (shared_bytes + kVecStaticShared > static_cast<size_t>(shared_limit)) {
+            int device = 0;
+            cudaError_t status = cudaGetDevice(&device);
+            if (status == cudaSuccess) {
+                status = cudaDeviceGetAttribute(&shared_limit,
+                                                cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+            }
+            if (status != cudaSuccess) return static_cast<int>(status);
+            shared_opt_in = shared_limit - kVecStaticShared;
+        }
+        if (shared_bytes + kVecStaticShared <= static_cast<size_t>(shared_limit)) {
+            return launch_vec<TS, TO, 4, Keep::kShared>(sources, num_sources, query, out,
+                                                       tokens, hidden, eps, gated, strength,
+                                                       shared_bytes, shared_opt_in, stream);
+        }
+        return launch_vec<TS, TO, 8, Keep::kStream>(sources, num_sources, query, out, tokens,
+                                                   hidden, eps, gated, strength, 0, 0, stream);
+    }
     attn_res_mix_kernel<TS, TO><<<static_cast<unsigned int>(tokens), kThreads, 0, stream>>>(
         sources, num_sources, query, static_cast<TO*>(out), hidden, eps, gated, strength);
     return berrylm::launch_status();
