@@ -57,8 +57,9 @@ impl NormalModelLoader for BerryLmLoader {
             cfg.num_experts,
             cfg.num_experts_per_tok
         );
-        // What a sequence holds besides its KV cache, for sizing the KV pool
-        // (`--pa-memory-mb`) beside `--max-seqs` sequences.
+        // What a sequence holds besides its KV cache (under paged attention
+        // the host reserves it for `--max-seqs` sequences before it sizes the
+        // KV pool from the memory left).
         let recurrent_bytes = kda_layers * cfg.recurrent_values_per_kda_layer() * 4;
         tracing::info!(
             "BerryLM: each sequence holds {recurrent_bytes} bytes ({:.1} MiB) of recurrent state \

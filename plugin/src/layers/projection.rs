@@ -147,7 +147,7 @@ impl HostLayer {
                         } else {
                             vec![spec.out_dim]
                         };
-                        Ok(source.pp(spec.name).get(shape, name)?)
+                        source.pp(spec.name).get(shape, name)
                     })
                     .collect()
             };
