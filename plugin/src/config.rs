@@ -431,7 +431,6 @@ impl BerryLmConfig {
         self.linear_num_value_heads * self.linear_value_head_dim
     }
 
-    /// Channels of the packed q|k|v short convolution.
     /// The f32 values of one sequence's recurrent state in one KDA layer:
     /// its conv state (`linear_conv_dim x linear_conv_kernel_dim`) and its
     /// recurrent state (`Hv x dk x dv`), as the host's pools hold them.
@@ -440,6 +439,7 @@ impl BerryLmConfig {
             + self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
     }
 
+    /// Channels of the packed q|k|v short convolution.
     pub fn linear_conv_dim(&self) -> usize {
         2 * self.linear_key_dim() + self.linear_value_dim()
     }

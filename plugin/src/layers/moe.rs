@@ -133,32 +133,7 @@ impl SparseMoe {
         let experts_weights = mlp.pp("experts");
         let stacked = experts_weights.contains("gate_up_proj");
         let experts = if fused_experts_apply(weights, cfg) {
-            let tensors = if stacked {
-                let gate_up =
-                    experts_weights.get((cfg.num_experts, 2 * inter, hidden), "gate_up_proj")?;
-                let down = experts_weights.get((cfg.num_experts, hidden, inter), "down_proj")?;
-                (0..cfg.num_experts)
-                    .map(|e| {
-                        let gate_up = gate_up.i(e)?;
-                        Ok([
-                            gate_up.narrow(0, 0, inter)?,
-                            gate_up.narrow(0, inter, inter)?,
-                            down.i(e)?,
-                        ])
-                    })
-                    .collect::<crate::error::Result<Vec<_>>>()?
-            } else {
-                (0..cfg.num_experts)
-                    .map(|e| {
-                        let expert = experts_weights.pp(e);
-                        Ok([
-                            expert.pp("gate_proj").get((inter, hidden), "weight")?,
-                            expert.pp("up_proj").get((inter, hidden), "weight")?,
-                            expert.pp("down_proj").get((hidden, inter), "weight")?,
-                        ])
-                    })
-                    .collect::<crate::error::Result<Vec<_>>>()?
-            };
+            let tensors = read_experts(&experts_weights, cfg)?;
             Experts::Fused(Arc::new(load_fused(tensors, weights, cfg)?))
         } else if gathered_experts_apply(weights) {
             load_gathered(&experts_weights, cfg)?
@@ -374,25 +349,9 @@ fn load_gathered(experts: &Weights, cfg: &BerryLmConfig) -> crate::error::Result
         };
         let mut gate_up = Vec::with_capacity(count);
         let mut down = Vec::with_capacity(count);
-        if stacked {
-            let gate_ups = source.get((count, 2 * inter, hidden), "gate_up_proj")?;
-            let downs = source.get((count, hidden, inter), "down_proj")?;
-            for e in 0..count {
-                gate_up.push(gate_ups.i(e)?);
-                down.push(downs.i(e)?);
-            }
-        } else {
-            for e in 0..count {
-                let expert = source.pp(e);
-                gate_up.push(Tensor::cat(
-                    &[
-                        expert.pp("gate_proj").get((inter, hidden), "weight")?,
-                        expert.pp("up_proj").get((inter, hidden), "weight")?,
-                    ],
-                    0,
-                )?);
-                down.push(expert.pp("down_proj").get((hidden, inter), "weight")?);
-            }
+        for [gate, up, expert_down] in read_experts(&source, cfg)? {
+            gate_up.push(Tensor::cat(&[gate, up], 0)?);
+            down.push(expert_down);
         }
         (Some(gate_up), Some(down))
     };
@@ -425,37 +384,57 @@ fn weighted_sum(expert_out: &Tensor, weights: &Tensor, dtype: DType) -> Result<T
         .to_dtype(dtype)
 }
 
+/// Each expert's `[gate [I, H], up [I, H], down [H, I]]` from `experts` in
+/// either checkpoint layout: stacked (`gate_up_proj` `[E, 2I, H]`, gate rows
+/// first, and `down_proj` `[E, H, I]`; views of them) or one by one
+/// (`{e}.gate_proj.weight` ...).
+fn read_experts(experts: &Weights, cfg: &BerryLmConfig) -> crate::error::Result<Vec<[Tensor; 3]>> {
+    let (count, hidden, inter) = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size);
+    if experts.contains("gate_up_proj") {
+        let gate_up = experts.get((count, 2 * inter, hidden), "gate_up_proj")?;
+        let down = experts.get((count, hidden, inter), "down_proj")?;
+        (0..count)
+            .map(|e| {
+                let gate_up = gate_up.i(e)?;
+                Ok([
+                    gate_up.narrow(0, 0, inter)?,
+                    gate_up.narrow(0, inter, inter)?,
+                    down.i(e)?,
+                ])
+            })
+            .collect()
+    } else {
+        (0..count)
+            .map(|e| {
+                let expert = experts.pp(e);
+                Ok([
+                    expert.pp("gate_proj").get((inter, hidden), "weight")?,
+                    expert.pp("up_proj").get((inter, hidden), "weight")?,
+                    expert.pp("down_proj").get((hidden, inter), "weight")?,
+                ])
+            })
+            .collect()
+    }
+}
+
 /// The stacked experts (`gate_up_proj` `[E, 2I, H]`, `down_proj` `[E, H, I]`)
 /// read as one-by-one experts (`{e}.gate_proj.weight` ...), the names the
 /// host's ISQ predicates and UQFF files use. Read onto the CPU when the host
 /// quantizes while loading (the experts it quantizes are quantized from
 /// there; the others are read back onto the device).
 fn split_stacked_experts(experts: &Weights, cfg: &BerryLmConfig) -> crate::error::Result<Weights> {
-    let (hidden, inter) = (cfg.hidden_size, cfg.moe_intermediate_size);
     let source = if mistralrs_quant::get_immediate_isq().is_some() {
         experts.on_cpu()
     } else {
         experts.clone()
     };
-    let gate_up = source.get((cfg.num_experts, 2 * inter, hidden), "gate_up_proj")?;
-    let down = source.get((cfg.num_experts, hidden, inter), "down_proj")?;
     // Each in its own storage: the host's quantizers read a weight's storage
     // from its start, whatever the view's offset.
     let mut tensors = HashMap::with_capacity(3 * cfg.num_experts);
-    for e in 0..cfg.num_experts {
-        let expert_gate_up = gate_up.i(e)?;
-        tensors.insert(
-            format!("{e}.gate_proj.weight"),
-            expert_gate_up.narrow(0, 0, inter)?.force_contiguous()?,
-        );
-        tensors.insert(
-            format!("{e}.up_proj.weight"),
-            expert_gate_up.narrow(0, inter, inter)?.force_contiguous()?,
-        );
-        tensors.insert(
-            format!("{e}.down_proj.weight"),
-            down.i(e)?.force_contiguous()?,
-        );
+    for (e, [gate, up, down]) in read_experts(&source, cfg)?.into_iter().enumerate() {
+        tensors.insert(format!("{e}.gate_proj.weight"), gate.force_contiguous()?);
+        tensors.insert(format!("{e}.up_proj.weight"), up.force_contiguous()?);
+        tensors.insert(format!("{e}.down_proj.weight"), down.force_contiguous()?);
     }
     Ok(experts.from_tensors(tensors))
 }
