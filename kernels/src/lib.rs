@@ -21,6 +21,8 @@
 //! | [`moe_route`] | 3.7 | MoE router: softmax, top-k with `torch.topk`'s order, optional renormalisation |
 //! | [`moe_experts`] | 3.7 step 3 | the routed experts' weighted sum, accumulated in expert order (decode kernels; grouped GEMMs for prompts on CUDA) |
 //! | [`moe_experts_with`] | 3.7 step 3 | the same, with an explicit [`MoeExpertsAlgorithm`] for CUDA; a test and benchmark reference |
+//! | [`moe_experts_quantized`] | 3.7 step 3 | the same with experts quantized in GGUF blocks (q8_0, q4_K), for decode steps |
+//! | [`quantized_matmul`] | - | `x W^T` with `W` quantized in GGUF blocks (q8_0, q4_K), for decode steps |
 //! | [`swiglu`] | 3.7 step 3-4 | an expert's `silu(gate) * up` from its packed gate-then-up projection |
 //! | [`add_moe_output`] | 3.7 step 4-5 | the sigmoid-gated shared expert plus the routed output, added to the residual |
 //!
@@ -73,6 +75,7 @@ mod gate_mul;
 mod mlp;
 mod moe;
 mod norm;
+mod quantized;
 mod recurrence;
 mod rope;
 mod route;
@@ -85,8 +88,9 @@ pub use conv::{
 pub use gate::{kda_beta, kda_gate};
 pub use gate_mul::sigmoid_gate_mul;
 pub use mlp::{add_moe_output, swiglu};
-pub use moe::{moe_experts, moe_experts_with, MoeExpertsAlgorithm};
+pub use moe::{moe_experts, moe_experts_quantized, moe_experts_with, MoeExpertsAlgorithm};
 pub use norm::{add_offset_rms_norm, gated_rms_norm, offset_rms_norm};
+pub use quantized::{quantized_matmul, takes_gguf_dtype};
 pub use recurrence::{
     kda_recurrence, kda_recurrence_in_pool_with, kda_recurrence_with, KdaPrefillAlgorithm,
     StatePool,
@@ -244,10 +248,20 @@ fn expect_device(
     tensor: &Tensor,
     device: &Device,
 ) -> Result<()> {
-    ensure(tensor.device().same_device(device), op, arg, || {
+    expect_same_device(op, arg, tensor.device(), device)
+}
+
+/// Fails unless `actual`, the device of argument `arg`, is `device`.
+fn expect_same_device(
+    op: &'static str,
+    arg: &'static str,
+    actual: &Device,
+    device: &Device,
+) -> Result<()> {
+    ensure(actual.same_device(device), op, arg, || {
         format!(
             "is on device {:?}, expected {:?}",
-            tensor.device().location(),
+            actual.location(),
             device.location()
         )
     })

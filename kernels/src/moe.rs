@@ -4,11 +4,13 @@
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 
+use candle_core::quantized::QTensor;
 use candle_core::{DType, IndexOp, Tensor};
 
+use crate::quantized::gguf_dims;
 use crate::{
-    ensure, expect_on_device, expect_same_dtype, float_dims, invalid_argument, round_to_dtype,
-    silu, tensor_from_f32, to_f32_vec, Result,
+    ensure, expect_on_device, expect_same_device, expect_same_dtype, float_dims, invalid_argument,
+    round_to_dtype, silu, tensor_from_f32, to_f32_vec, Result,
 };
 
 const OP: &str = "moe_experts";
@@ -112,38 +114,10 @@ pub fn moe_experts_with(
     gate_up: &Tensor,
     down: &Tensor,
 ) -> Result<Tensor> {
-    let [tokens, hidden] = float_dims::<2>(OP, "x", x)?;
-    let [weight_rows, top_k] = float_dims::<2>(OP, "weights", weights)?;
-    let [experts, _, _] = float_dims::<3>(OP, "gate_up", gate_up)?;
-    let [_, _, inter] = float_dims::<3>(OP, "down", down)?;
-    ensure(
-        ids.dtype() == DType::U32 && ids.dims() == [tokens, top_k],
-        OP,
-        "ids",
-        || {
-            format!(
-                "expected u32 [{tokens}, {top_k}], got {:?} {:?}",
-                ids.dtype(),
-                ids.dims()
-            )
-        },
-    )?;
-    ensure(weight_rows == tokens, OP, "weights", || {
-        format!("{weight_rows} rows for {tokens} tokens")
-    })?;
-    let expected = [
-        ("gate_up", gate_up, [experts, 2 * inter, hidden]),
-        ("down", down, [experts, hidden, inter]),
-    ];
-    for (arg, tensor, want) in expected {
-        ensure(tensor.dims() == want, OP, arg, || {
-            format!(
-                "shape {:?}, expected {want:?} (E, 2I, H from the inputs)",
-                tensor.dims()
-            )
-        })?;
-    }
-    for (arg, tensor, _) in expected {
+    let gate_up_dims = float_dims::<3>(OP, "gate_up", gate_up)?;
+    let down_dims = float_dims::<3>(OP, "down", down)?;
+    let sizes = RoutedSizes::checked(x, weights, ids, gate_up_dims, down_dims)?;
+    for (arg, tensor) in [("gate_up", gate_up), ("down", down)] {
         expect_same_dtype(OP, arg, tensor, x.dtype(), "the activations'")?;
     }
     let device = x.device();
@@ -154,21 +128,7 @@ pub fn moe_experts_with(
         ("down", down),
     ];
     expect_on_device(OP, device, others)?;
-    ensure(inter > 0 && experts > 0 && top_k > 0, OP, "gate_up", || {
-        format!("empty experts: E {experts}, I {inter}, k {top_k}")
-    })?;
-    let args = MoeExpertsArgs {
-        x,
-        weights,
-        ids,
-        gate_up,
-        down,
-        tokens,
-        top_k,
-        experts,
-        hidden,
-        inter,
-    };
+    let args = sizes.args(x, weights, ids, gate_up, down);
     on_device!(
         OP,
         device,
@@ -179,6 +139,127 @@ pub fn moe_experts_with(
         },
         crate::cuda::moe_experts(&args, algorithm),
     )
+}
+
+/// [`moe_experts`] for experts quantized in GGUF blocks (the host's in-situ
+/// quantization), for decode steps: `gate_up` `[E, 2I, H]` and `down`
+/// `[E, H, I]` of a type [`crate::takes_gguf_dtype`] takes, on the device of `x`.
+/// A weight is the value its block defines (ggml's dequantization, in f32);
+/// the rounding points are [`moe_experts`]'s, in the dtype of `x`.
+///
+/// On CUDA, `moe.cu`'s decode kernels decode the blocks as they stream the
+/// weights (up to 4096 routed rows `N * k`); the CPU reference dequantizes
+/// the chosen experts and runs [`moe_experts`]'s.
+pub fn moe_experts_quantized(
+    x: &Tensor,
+    weights: &Tensor,
+    ids: &Tensor,
+    gate_up: &QTensor,
+    down: &QTensor,
+) -> Result<Tensor> {
+    let gate_up_dims = gguf_dims::<3>(OP, "gate_up", gate_up)?;
+    let down_dims = gguf_dims::<3>(OP, "down", down)?;
+    let sizes = RoutedSizes::checked(x, weights, ids, gate_up_dims, down_dims)?;
+    let device = x.device();
+    expect_on_device(OP, device, [("weights", weights), ("ids", ids)])?;
+    for (arg, tensor) in [("gate_up", gate_up), ("down", down)] {
+        expect_same_device(OP, arg, &tensor.device(), device)?;
+    }
+    on_device!(
+        OP,
+        device,
+        {
+            let gate_up = gate_up.dequantize(device)?;
+            let down = down.dequantize(device)?;
+            cpu_moe_experts(&sizes.args(x, weights, ids, &gate_up, &down))
+        },
+        crate::cuda::moe_experts_quantized(&sizes, x, weights, ids, gate_up, down),
+    )
+}
+
+/// The sizes of a [`moe_experts`] call: `x` `[tokens, hidden]`, `weights`
+/// and `ids` `[tokens, top_k]`, `gate_up` `[experts, 2 * inter, hidden]` and
+/// `down` `[experts, hidden, inter]`.
+#[derive(Clone, Copy)]
+pub(crate) struct RoutedSizes {
+    pub tokens: usize,
+    pub top_k: usize,
+    pub experts: usize,
+    pub hidden: usize,
+    pub inter: usize,
+}
+
+impl RoutedSizes {
+    /// The sizes of `x`, `weights` and `ids` with expert weights of the
+    /// shapes `gate_up` and `down`, checked against each other.
+    fn checked(
+        x: &Tensor,
+        weights: &Tensor,
+        ids: &Tensor,
+        gate_up: [usize; 3],
+        down: [usize; 3],
+    ) -> Result<RoutedSizes> {
+        let [tokens, hidden] = float_dims::<2>(OP, "x", x)?;
+        let [weight_rows, top_k] = float_dims::<2>(OP, "weights", weights)?;
+        let [experts, _, _] = gate_up;
+        let [_, _, inter] = down;
+        ensure(
+            ids.dtype() == DType::U32 && ids.dims() == [tokens, top_k],
+            OP,
+            "ids",
+            || {
+                format!(
+                    "expected u32 [{tokens}, {top_k}], got {:?} {:?}",
+                    ids.dtype(),
+                    ids.dims()
+                )
+            },
+        )?;
+        ensure(weight_rows == tokens, OP, "weights", || {
+            format!("{weight_rows} rows for {tokens} tokens")
+        })?;
+        let expected = [
+            ("gate_up", gate_up, [experts, 2 * inter, hidden]),
+            ("down", down, [experts, hidden, inter]),
+        ];
+        for (arg, dims, want) in expected {
+            ensure(dims == want, OP, arg, || {
+                format!("shape {dims:?}, expected {want:?} (E, 2I, H from the inputs)")
+            })?;
+        }
+        ensure(inter > 0 && experts > 0 && top_k > 0, OP, "gate_up", || {
+            format!("empty experts: E {experts}, I {inter}, k {top_k}")
+        })?;
+        Ok(RoutedSizes {
+            tokens,
+            top_k,
+            experts,
+            hidden,
+            inter,
+        })
+    }
+
+    fn args<'a>(
+        self,
+        x: &'a Tensor,
+        weights: &'a Tensor,
+        ids: &'a Tensor,
+        gate_up: &'a Tensor,
+        down: &'a Tensor,
+    ) -> MoeExpertsArgs<'a> {
+        MoeExpertsArgs {
+            x,
+            weights,
+            ids,
+            gate_up,
+            down,
+            tokens: self.tokens,
+            top_k: self.top_k,
+            experts: self.experts,
+            hidden: self.hidden,
+            inter: self.inter,
+        }
+    }
 }
 
 /// The validated arguments of a [`moe_experts`] call and its sizes: `x`

@@ -16,6 +16,9 @@ mod common;
 #[path = "cuda/attention.rs"]
 mod attention;
 
+#[path = "cuda/quantized.rs"]
+mod quantized;
+
 use berrylm_kernels::{
     add_moe_output, add_offset_rms_norm, attn_res_mix, causal_conv1d, causal_conv1d_split,
     causal_conv1d_split_in_pool, gated_rms_norm, kda_beta, kda_gate, kda_recurrence,

@@ -82,6 +82,7 @@ mod gate_mul;
 mod mlp;
 mod moe;
 mod norm;
+mod quantized;
 mod recurrence;
 mod rope;
 mod route;
@@ -91,8 +92,9 @@ pub(crate) use conv::{causal_conv1d, causal_conv1d_in_pool};
 pub(crate) use gate::kda_beta;
 pub(crate) use gate_mul::sigmoid_gate_mul;
 pub(crate) use mlp::swiglu;
-pub(crate) use moe::moe_experts;
+pub(crate) use moe::{moe_experts, moe_experts_quantized};
 pub(crate) use norm::offset_rms_norm;
+pub(crate) use quantized::quantized_matmul;
 pub(crate) use recurrence::{kda_recurrence, kda_recurrence_in_pool};
 
 /// Dtype codes understood by the kernels (`berrylm::DTypeCode` in common.cuh).

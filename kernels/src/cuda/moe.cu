@@ -19,6 +19,7 @@
 // expert appeared at an earlier row exits, so no block is launched for
 // an expert nobody chose. The third adds the terms per token.
 #include "common.cuh"
+#include "weight_rows.cuh"
 
 namespace berrylm::moe {
 
@@ -27,22 +28,9 @@ constexpr int kWarps = kThreads / 32;
 // One weight row per warp: at batch 1 the step reads 8 experts' rows, and
 // many small blocks keep more of those reads in flight than fewer big ones.
 constexpr int kRowsPerBlock = kWarps;
-constexpr int kTokens = 8;
+constexpr int kTokens = berrylm::rows::kTokens;
 // At least MOE_KERNEL_MAX_ROUTED_ROWS in src/cuda/moe.rs (the rows it sends here).
 constexpr int kMaxRouted = 4096;
-
-template <typename T, int VEC>
-__device__ __forceinline__ void load_vec(const T* p, float (&out)[VEC]) {
-    if constexpr (VEC == 1) {
-        out[0] = berrylm::to_f32(*p);
-    } else {
-        static_assert(sizeof(T) * VEC == 16, "16-byte vectors");
-        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
-        const T* values = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) out[i] = berrylm::to_f32(values[i]);
-    }
-}
 
 // The expert of this block, or -1 when the block has nothing to do (see the
 // file comment). All threads of the block call it.
@@ -86,44 +74,41 @@ __device__ int collect_rows(const uint32_t* __restrict__ ids, int routed, int ex
 }
 
 // h[r, j] for the j of this block's tile: gate row j and up row I + j of the
-// expert's [2I, H] weights against x of the row's token.
-template <typename T, int VEC>
+// expert's [2I, H] weights (in the row format `Rows`) against x of the row's
+// token.
+template <typename T, typename Rows>
 __global__ void __launch_bounds__(kThreads)
     gate_up_kernel(const T* __restrict__ x, const uint32_t* __restrict__ ids,
-                   const T* __restrict__ gate_up, T* __restrict__ h, int routed, int top_k,
-                   int experts, int hidden, int inter, int by_row) {
+                   const typename Rows::Weight* __restrict__ gate_up, T* __restrict__ h,
+                   int routed, int top_k, int experts, int hidden, int inter, int by_row) {
     __shared__ int rows[kMaxRouted];
     const int expert = block_expert(ids, routed, experts, by_row);
     if (expert < 0) return;
     const int count = collect_rows(ids, routed, expert, rows);
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
-    const T* weights = gate_up + static_cast<long long>(expert) * 2 * inter * hidden;
     const int j = blockIdx.y * kRowsPerBlock + warp;
     if (j >= inter) return;
+    const long long first_row = static_cast<long long>(expert) * 2 * inter;
+    const auto* gate_row = Rows::row(gate_up, first_row + j, hidden);
+    const auto* up_row = Rows::row(gate_up, first_row + inter + j, hidden);
+    const int pieces = Rows::pieces(hidden);
     for (int t0 = 0; t0 < count; t0 += kTokens) {
         const int tokens = min(kTokens, count - t0);
-        const T* gate_row = weights + static_cast<long long>(j) * hidden;
-        const T* up_row = weights + static_cast<long long>(inter + j) * hidden;
         float gate[kTokens] = {};
         float up[kTokens] = {};
 #pragma unroll 2
-        for (int c = lane * VEC; c < hidden; c += 32 * VEC) {
-            float wg[VEC];
-            float wu[VEC];
-            load_vec<T, VEC>(gate_row + c, wg);
-            load_vec<T, VEC>(up_row + c, wu);
+        for (int p = lane; p < pieces; p += 32) {
+            const typename Rows::Piece wg = Rows::load(gate_row, p);
+            const typename Rows::Piece wu = Rows::load(up_row, p);
 #pragma unroll
             for (int t = 0; t < kTokens; ++t) {
                 if (t < tokens) {
-                    float xv[VEC];
-                    load_vec<T, VEC>(
-                        x + static_cast<long long>(rows[t0 + t] / top_k) * hidden + c, xv);
-#pragma unroll
-                    for (int v = 0; v < VEC; ++v) {
-                        gate[t] = fmaf(wg[v], xv[v], gate[t]);
-                        up[t] = fmaf(wu[v], xv[v], up[t]);
-                    }
+                    float xv[Rows::kRuns][Rows::kRunLen];
+                    berrylm::rows::load_activations<Rows>(
+                        x + static_cast<long long>(rows[t0 + t] / top_k) * hidden, p, xv);
+                    gate[t] = Rows::accumulate(wg, xv, gate[t]);
+                    up[t] = Rows::accumulate(wu, xv, up[t]);
                 }
             }
         }
@@ -142,39 +127,28 @@ __global__ void __launch_bounds__(kThreads)
     }
 }
 
-// out[r, i] = round_x(down row i of the expert's [H, I] weights . h[r]).
-template <typename T, int VEC>
+// out[r, i] = round_x(down row i of the expert's [H, I] weights (in the row
+// format `Rows`) . h[r]).
+template <typename T, typename Rows>
 __global__ void __launch_bounds__(kThreads)
     down_kernel(const T* __restrict__ h, const uint32_t* __restrict__ ids,
-                const T* __restrict__ down, T* __restrict__ out, int routed, int experts,
-                int hidden, int inter, int by_row) {
+                const typename Rows::Weight* __restrict__ down, T* __restrict__ out, int routed,
+                int experts, int hidden, int inter, int by_row) {
     __shared__ int rows[kMaxRouted];
     const int expert = block_expert(ids, routed, experts, by_row);
     if (expert < 0) return;
     const int count = collect_rows(ids, routed, expert, rows);
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
-    const T* weights = down + static_cast<long long>(expert) * hidden * inter;
     const int i = blockIdx.y * kRowsPerBlock + warp;
     if (i >= hidden) return;
+    const auto* row = Rows::row(down, static_cast<long long>(expert) * hidden + i, inter);
     for (int t0 = 0; t0 < count; t0 += kTokens) {
         const int tokens = min(kTokens, count - t0);
-        const T* row = weights + static_cast<long long>(i) * inter;
-        float sum[kTokens] = {};
-#pragma unroll 2
-        for (int c = lane * VEC; c < inter; c += 32 * VEC) {
-            float w[VEC];
-            load_vec<T, VEC>(row + c, w);
-#pragma unroll
-            for (int t = 0; t < kTokens; ++t) {
-                if (t < tokens) {
-                    float hv[VEC];
-                    load_vec<T, VEC>(h + static_cast<long long>(rows[t0 + t]) * inter + c, hv);
-#pragma unroll
-                    for (int v = 0; v < VEC; ++v) sum[t] = fmaf(w[v], hv[v], sum[t]);
-                }
-            }
-        }
+        float sum[kTokens];
+        berrylm::rows::stream_row<Rows>(row, inter, tokens, sum, [&](int t) {
+            return h + static_cast<long long>(rows[t0 + t]) * inter;
+        });
 #pragma unroll
         for (int t = 0; t < kTokens; ++t) {
             if (t < tokens) {
@@ -221,7 +195,7 @@ __global__ void combine_kernel(const T* __restrict__ expert_out, const float* __
             const long long out_row = rows != nullptr ? rows[routed_row] : routed_row;
             const float weight = weights[routed_row];
             float out[VEC];
-            load_vec<T, VEC>(expert_out + out_row * hidden + i, out);
+            berrylm::rows::load_vec<T, VEC>(expert_out + out_row * hidden + i, out);
 #pragma unroll
             for (int v = 0; v < VEC; ++v) {
                 const float term = berrylm::round_to<T>(__fmul_rn(weight, out[v]));
@@ -264,18 +238,20 @@ int launch_combine(const T* expert_out, const float* weights, const uint32_t* id
     return berrylm::launch_status();
 }
 
-template <typename T, int VEC>
-void launch_projections(const T* x, const uint32_t* ids, const T* gate_up, const T* down, T* h,
-                        T* expert_out, int routed, int top_k, int experts, int hidden, int inter,
-                        cudaStream_t stream) {
+// Both projections of the routed rows, the expert weights in the row format
+// `Rows`.
+template <typename T, typename Rows>
+void launch_projections(const T* x, const uint32_t* ids, const typename Rows::Weight* gate_up,
+                        const typename Rows::Weight* down, T* h, T* expert_out, int routed,
+                        int top_k, int experts, int hidden, int inter, cudaStream_t stream) {
     const int by_row = routed < experts ? 1 : 0;
     const unsigned int candidates = static_cast<unsigned int>(by_row ? routed : experts);
     const dim3 gate_up_grid(candidates, (inter + kRowsPerBlock - 1) / kRowsPerBlock);
-    gate_up_kernel<T, VEC><<<gate_up_grid, kThreads, 0, stream>>>(
+    gate_up_kernel<T, Rows><<<gate_up_grid, kThreads, 0, stream>>>(
         x, ids, gate_up, h, routed, top_k, experts, hidden, inter, by_row);
     const dim3 down_grid(candidates, (hidden + kRowsPerBlock - 1) / kRowsPerBlock);
-    down_kernel<T, VEC><<<down_grid, kThreads, 0, stream>>>(h, ids, down, expert_out, routed,
-                                                           experts, hidden, inter, by_row);
+    down_kernel<T, Rows><<<down_grid, kThreads, 0, stream>>>(h, ids, down, expert_out, routed,
+                                                            experts, hidden, inter, by_row);
 }
 
 template <typename T>
@@ -292,14 +268,41 @@ int launch(const void* x, const float* weights, const uint32_t* ids, const void*
     const bool vectorized = hidden % kVec == 0 && inter % kVec == 0 && aligned16(x) &&
                             aligned16(gate_up) && aligned16(down) && aligned16(h);
     if (vectorized) {
-        launch_projections<T, kVec>(xp, ids, gp, dp, hp, ep, routed, top_k, experts, hidden,
-                                    inter, stream);
+        launch_projections<T, berrylm::rows::DenseRows<T, kVec>>(
+            xp, ids, gp, dp, hp, ep, routed, top_k, experts, hidden, inter, stream);
     } else {
-        launch_projections<T, 1>(xp, ids, gp, dp, hp, ep, routed, top_k, experts, hidden, inter,
-                                 stream);
+        launch_projections<T, berrylm::rows::DenseRows<T, 1>>(
+            xp, ids, gp, dp, hp, ep, routed, top_k, experts, hidden, inter, stream);
     }
     return launch_combine<T>(ep, weights, ids, nullptr, static_cast<T*>(y), tokens, top_k,
                              experts, hidden, stream);
+}
+
+// The routed experts with weights in GGUF blocks (`Rows`): x and h 16-byte
+// aligned, hidden and inter multiples of the format's block.
+template <typename T, typename Rows>
+int launch_quantized(const void* x, const float* weights, const uint32_t* ids,
+                     const void* gate_up, const void* down, void* h, void* expert_out, void* y,
+                     int tokens, int top_k, int experts, int hidden, int inter,
+                     cudaStream_t stream) {
+    if (hidden % Rows::kBlockWeights != 0 || inter % Rows::kBlockWeights != 0 || !aligned16(x) ||
+        !aligned16(h)) {
+        return static_cast<int>(cudaErrorInvalidValue);
+    }
+    T* ep = static_cast<T*>(expert_out);
+    launch_projections<T, Rows>(static_cast<const T*>(x), ids,
+                                static_cast<const uint8_t*>(gate_up),
+                                static_cast<const uint8_t*>(down), static_cast<T*>(h), ep,
+                                tokens * top_k, top_k, experts, hidden, inter, stream);
+    return launch_combine<T>(ep, weights, ids, nullptr, static_cast<T*>(y), tokens, top_k,
+                             experts, hidden, stream);
+}
+
+// Whether the decode kernels take a call of these sizes (its tokens and
+// hidden width not zero).
+inline bool sizes_taken(int tokens, int top_k, int experts, int inter) {
+    return top_k > 0 && experts > 0 && inter > 0 &&
+           static_cast<long long>(tokens) * top_k <= kMaxRouted;
 }
 
 }  // namespace berrylm::moe
@@ -313,14 +316,31 @@ extern "C" int berrylm_moe_experts(int dtype, const void* x, const float* weight
                                    void* h, void* expert_out, void* y, int tokens, int top_k,
                                    int experts, int hidden, int inter, void* stream) {
     if (tokens == 0 || hidden == 0) return 0;
-    if (top_k <= 0 || experts <= 0 || inter <= 0 ||
-        static_cast<long long>(tokens) * top_k > kMaxRouted) {
-        return static_cast<int>(cudaErrorInvalidValue);
-    }
+    if (!sizes_taken(tokens, top_k, experts, inter)) return static_cast<int>(cudaErrorInvalidValue);
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     BERRYLM_DISPATCH_DTYPE(dtype, T, {
         return launch<T>(x, weights, ids, gate_up, down, h, expert_out, y, tokens, top_k,
                          experts, hidden, inter, s);
+    });
+    return 0;
+}
+
+// The same with the expert weights in GGUF blocks of the format `format`
+// (`GgufCode`): `gate_up` [experts, 2 * inter, hidden] and `down`
+// [experts, hidden, inter] as candle lays them out.
+extern "C" int berrylm_moe_experts_quantized(int dtype, int format, const void* x,
+                                             const float* weights, const uint32_t* ids,
+                                             const void* gate_up, const void* down, void* h,
+                                             void* expert_out, void* y, int tokens, int top_k,
+                                             int experts, int hidden, int inter, void* stream) {
+    if (tokens == 0 || hidden == 0) return 0;
+    if (!sizes_taken(tokens, top_k, experts, inter)) return static_cast<int>(cudaErrorInvalidValue);
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    BERRYLM_DISPATCH_DTYPE(dtype, T, {
+        BERRYLM_DISPATCH_GGUF(format, Rows, {
+            return launch_quantized<T, Rows>(x, weights, ids, gate_up, down, h, expert_out, y,
+                                             tokens, top_k, experts, hidden, inter, s);
+        });
     });
     return 0;
 }

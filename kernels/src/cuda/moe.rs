@@ -8,10 +8,12 @@ use std::ffi::{c_int, c_void};
 
 use candle_core::cuda_backend::cudarc::cublas::sys as cublas;
 use candle_core::cuda_backend::cudarc::driver::DevicePtr;
+use candle_core::quantized::QTensor;
 use candle_core::{DType, Tensor};
 
+use super::quantized::{aligned16, blocks_address, gguf_code};
 use super::{c_size, dtype_code, Launch};
-use crate::moe::{MoeExpertsAlgorithm, MoeExpertsArgs};
+use crate::moe::{MoeExpertsAlgorithm, MoeExpertsArgs, RoutedSizes};
 use crate::{invalid_argument, KernelError, Result};
 
 const OP: &str = "moe_experts";
@@ -24,6 +26,25 @@ const STREAMED_MAX_ROUTED_ROWS: usize = 4096;
 extern "C" {
     fn berrylm_moe_experts(
         dtype: c_int,
+        x: *const c_void,
+        weights: *const f32,
+        ids: *const u32,
+        gate_up: *const c_void,
+        down: *const c_void,
+        h: *mut c_void,
+        expert_out: *mut c_void,
+        y: *mut c_void,
+        tokens: c_int,
+        top_k: c_int,
+        experts: c_int,
+        hidden: c_int,
+        inter: c_int,
+        stream: *mut c_void,
+    ) -> c_int;
+
+    fn berrylm_moe_experts_quantized(
+        dtype: c_int,
+        format: c_int,
         x: *const c_void,
         weights: *const f32,
         ids: *const u32,
@@ -97,6 +118,20 @@ struct MoeSizes {
 impl MoeExpertsArgs<'_> {
     /// `[tokens, top_k, experts, hidden, inter]` as the launchers take them.
     fn c_sizes(&self) -> Result<[c_int; 5]> {
+        RoutedSizes {
+            tokens: self.tokens,
+            top_k: self.top_k,
+            experts: self.experts,
+            hidden: self.hidden,
+            inter: self.inter,
+        }
+        .c_sizes()
+    }
+}
+
+impl RoutedSizes {
+    /// `[tokens, top_k, experts, hidden, inter]` as the launchers take them.
+    fn c_sizes(&self) -> Result<[c_int; 5]> {
         Ok([
             c_size(OP, "x", self.tokens)?,
             c_size(OP, "ids", self.top_k)?,
@@ -141,6 +176,58 @@ fn moe_experts_streamed(args: &MoeExpertsArgs<'_>) -> Result<Tensor> {
     let [tokens, top_k, experts, hidden, inter] = args.c_sizes()?;
     let outputs = run_kernel!(launch => berrylm_moe_experts(
         dtype(dtype), input(x), input(weights), input(ids), input(gate_up), input(down),
+        output(h), output(expert_out), output(y),
+        tokens, top_k, experts, hidden, inter
+    ))?;
+    Ok(outputs.tensor(y))
+}
+
+/// CUDA `moe_experts_quantized`: `moe.cu`'s three launches, decoding the
+/// GGUF blocks of the chosen experts as they are streamed; arguments
+/// validated by the caller.
+pub(crate) fn moe_experts_quantized(
+    sizes: &RoutedSizes,
+    x: &Tensor,
+    weights: &Tensor,
+    ids: &Tensor,
+    gate_up: &QTensor,
+    down: &QTensor,
+) -> Result<Tensor> {
+    let routed = sizes.tokens * sizes.top_k;
+    if routed > STREAMED_MAX_ROUTED_ROWS {
+        return Err(invalid_argument(
+            OP,
+            "ids",
+            format!(
+                "{routed} routed rows; the kernels for quantized experts take up to \
+                 {STREAMED_MAX_ROUTED_ROWS}"
+            ),
+        ));
+    }
+    if gate_up.dtype() != down.dtype() {
+        return Err(invalid_argument(
+            OP,
+            "down",
+            format!(
+                "quantized to {:?}, `gate_up` to {:?}: the kernels take one type",
+                down.dtype(),
+                gate_up.dtype()
+            ),
+        ));
+    }
+    let format = gguf_code(OP, "gate_up", gate_up.dtype())?;
+    let (gate_up, down) = (blocks_address(gate_up)?, blocks_address(down)?);
+    let mut launch = Launch::new(OP, x)?;
+    let x = launch.input("x", &aligned16(x)?)?;
+    let weights = launch.input_as("weights", weights, DType::F32)?;
+    let ids = launch.input("ids", ids)?;
+    let dtype = launch.dtype(x);
+    let h = launch.output(&[routed, sizes.inter], dtype)?;
+    let expert_out = launch.output(&[routed, sizes.hidden], dtype)?;
+    let y = launch.output(&[sizes.tokens, sizes.hidden], dtype)?;
+    let [tokens, top_k, experts, hidden, inter] = sizes.c_sizes()?;
+    let outputs = run_kernel!(launch => berrylm_moe_experts_quantized(
+        dtype(dtype), format, input(x), input(weights), input(ids), gate_up, down,
         output(h), output(expert_out), output(y),
         tokens, top_k, experts, hidden, inter
     ))?;

@@ -1,4 +1,5 @@
-use berrylm_kernels::{moe_experts, Result};
+use berrylm_kernels::{moe_experts, moe_experts_quantized, Result};
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, IndexOp, Tensor};
 
 use crate::common::{assert_close, assert_rejects, f32_values, f64_values, tensor, Rng};
@@ -209,6 +210,49 @@ fn bad_arguments_are_rejected_with_the_argument_named() -> Result<()> {
     ];
     for (expected_arg, result) in cases {
         assert_rejects(result, "moe_experts", expected_arg);
+    }
+    Ok(())
+}
+
+/// Integer weights whose every q8_0 block (32 weights) holds ±127: the
+/// blocks hold them exactly (scale 1), so the quantized experts compute what
+/// the experts in full precision do, bit for bit, in every dtype (integers
+/// up to 127 are exact in bf16 and f16 too).
+#[test]
+fn quantized_experts_holding_their_weights_exactly_match_the_experts() -> Result<()> {
+    let (experts, hidden, inter) = (3, 64, 32);
+    let exact = |dims: &[usize], salt: usize| -> Result<Tensor> {
+        let len: usize = dims.iter().product();
+        let values = (0..len)
+            .map(|i| match i % 32 {
+                0 => 127.0,
+                1 => -127.0,
+                k => ((k * 37 + i / 32 * 11 + salt) % 255) as f32 - 127.0,
+            })
+            .collect();
+        tensor(values, dims)
+    };
+    let gate_up = exact(&[experts, 2 * inter, hidden], 0)?;
+    let down = exact(&[experts, hidden, inter], 5)?;
+    let x = tensor(
+        Rng::new(7).uniform_vec(2 * hidden, -1e-3, 1e-3),
+        &[2, hidden],
+    )?;
+    let ids = Tensor::from_vec(vec![2u32, 0, 1, 2], (2, 2), &candle_core::Device::Cpu)?;
+    let weights = tensor(vec![0.25, 0.75, 0.5, 0.5], &[2, 2])?;
+    let gate_up_blocks = QTensor::quantize(&gate_up, GgmlDType::Q8_0)?;
+    let down_blocks = QTensor::quantize(&down, GgmlDType::Q8_0)?;
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let x = x.to_dtype(dtype)?;
+        let expected = moe_experts(
+            &x,
+            &weights,
+            &ids,
+            &gate_up.to_dtype(dtype)?,
+            &down.to_dtype(dtype)?,
+        )?;
+        let got = moe_experts_quantized(&x, &weights, &ids, &gate_up_blocks, &down_blocks)?;
+        assert_eq!(f32_values(&got)?, f32_values(&expected)?, "{dtype:?}");
     }
     Ok(())
 }

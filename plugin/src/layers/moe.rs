@@ -19,7 +19,8 @@
 //! host has indexed MoE kernels for (its GGUF types, `q4k`, `q8_0`, ...) and
 //! for UQFF files, every expert's gate | up and down projections stacked
 //! into two layers that run on the routed ids where they lie, as the host's
-//! own MoE models do; otherwise each expert's projections one by one, every
+//! own MoE models do (decode steps in BerryLM's kernels for q8_0 and q4_K
+//! blocks, with the reference's rounding points); otherwise each expert's projections one by one, every
 //! expert run on its own tokens. The router and the shared expert's gate
 //! stay in full precision.
 
@@ -104,7 +105,8 @@ enum Experts {
     Fused(Arc<MoEExperts>),
     /// Quantized by the host (or filled from a UQFF file) on CUDA: every
     /// expert's gate | up `[E, 2I, H]` and down `[E, H, I]` projections as
-    /// two host layers, run by its indexed kernels on the routed ids.
+    /// two host layers, run on the routed ids by BerryLM's kernels for
+    /// quantized weights (q8_0, q4_K) or the host's indexed kernels.
     Gathered { gate_up: HostLayer, down: HostLayer },
 }
 
@@ -256,10 +258,8 @@ impl SparseMoe {
             Experts::PerExpert(experts) => {
                 run_experts(experts, &flat, by_expert(&weights, &ids, experts.len())?)?
             }
-            // Prompts (and large decode batches): the host's indexed kernels
-            // read an expert's weights once per routed row, so the experts
-            // are dequantized for the call and run as the full-precision
-            // ones, with the reference's rounding points.
+            // Prompts: the experts dequantized for the call and run as the
+            // full-precision ones, with the reference's rounding points.
             Experts::Gathered { gate_up, down }
                 if ids.elem_count() >= DEQUANTIZED_EXPERTS_MIN_ROUTED_ROWS =>
             {
@@ -271,10 +271,25 @@ impl SparseMoe {
                     &down.dequantized(dtype)?,
                 )?
             }
+            // Decode steps: BerryLM's kernels on the blocks where they lie,
+            // with the same rounding points, when they take the type; else
+            // the host's indexed kernels.
             Experts::Gathered { gate_up, down } => {
-                let gate_up = gate_up.gather_forward(&flat.unsqueeze(1)?, &ids)?;
-                let expert_out = down.gather_forward(&berrylm_kernels::swiglu(&gate_up)?, &ids)?;
-                weighted_sum(&expert_out, &weights, dtype)?
+                match (gate_up.kernel_blocks(), down.kernel_blocks()) {
+                    (Some((gate_up, None)), Some((down, None)))
+                        if gate_up.dtype() == down.dtype() =>
+                    {
+                        berrylm_kernels::moe_experts_quantized(
+                            &flat, &weights, &ids, &gate_up, &down,
+                        )?
+                    }
+                    _ => {
+                        let gate_up = gate_up.gather_forward(&flat.unsqueeze(1)?, &ids)?;
+                        let expert_out =
+                            down.gather_forward(&berrylm_kernels::swiglu(&gate_up)?, &ids)?;
+                        weighted_sum(&expert_out, &weights, dtype)?
+                    }
+                }
             }
         };
 
@@ -291,13 +306,16 @@ impl SparseMoe {
 }
 
 /// From this many routed rows (tokens x top-k) the quantized experts of
-/// [`Experts::Gathered`] are dequantized for the call. The host's indexed
-/// kernels read a chosen expert's quantized weights once for each of its
-/// rows (1.8 MB a row at BerryLM-OS's size in q4k), dequantizing every
-/// expert costs a fixed ~5.6 GB of memory traffic a layer (through the
-/// host's f16 and an f32 copy): about equal at 512 rows on an H200, an
-/// estimate from those byte counts (a 64-sequence decode step is 512 rows).
-const DEQUANTIZED_EXPERTS_MIN_ROUTED_ROWS: usize = 512;
+/// [`Experts::Gathered`] are dequantized for the call and run on the tensor
+/// cores. Below it BerryLM's kernels stream each chosen expert's blocks once
+/// per group of up to 8 of its rows (the host's indexed kernels, for the
+/// types those do not take, once per row) and compute on the CUDA cores:
+/// at BerryLM-OS's size in q4k a layer's experts are 226 MB of blocks, where
+/// dequantizing them costs ~5.6 GB of memory traffic (the host's f16 and an
+/// f32 copy). By those byte counts and the CUDA cores' rate the two meet
+/// near 2048 routed rows, a 256-token prompt (an estimate, not a
+/// measurement); every decode batch up to 255 sequences streams.
+const DEQUANTIZED_EXPERTS_MIN_ROUTED_ROWS: usize = 2048;
 
 /// Whether the experts run in the host's fused MoE kernels: on CUDA, in f16 or
 /// bf16 (their only dtypes), when the host quantizes nothing in this load (it

@@ -25,6 +25,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
+use candle_core::quantized::QTensor;
 use candle_core::{DType, Module, Result, Tensor, D};
 use mistralrs_quant::{DummyLayer, QuantMethod, QuantMethodConfig, UnquantLinear};
 
@@ -222,20 +223,39 @@ impl HostLayer {
         self.layer.dequantize_w()?.to_dtype(dtype)
     }
 
-    /// `x` `[..., in]` -> `[..., out]`: a quantized layer through the host's
-    /// quantized matmul (in the dtype it takes), one still in full precision
-    /// through BerryLM's.
+    /// `x` `[..., in]` -> `[..., out]`: a quantized layer through BerryLM's
+    /// GEMV for a decode step on CUDA (in the activation dtype, one launch)
+    /// when it takes the layer's blocks, else through the host's quantized
+    /// matmul (in the dtype it takes); one still in full precision through
+    /// BerryLM's.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         if let Some((weight, bias)) = self.layer.unquant_weight_bias() {
             return Linear::new(weight, bias).forward(x);
         }
         let mut dims = x.dims().to_vec();
-        let rows = x.flatten_to(x.rank() - 2)?.contiguous()?;
-        let y = self.layer.forward_autocast(&rows)?;
+        let rows = x.flatten_to(x.rank() - 2)?;
+        let y = match self.kernel_blocks() {
+            Some((blocks, bias)) if rows.dim(0)? <= QUANTIZED_GEMV_MAX_ROWS => {
+                let y = berrylm_kernels::quantized_matmul(&rows, &blocks)?;
+                match bias {
+                    Some(bias) => y.broadcast_add(&bias.to_dtype(y.dtype())?)?,
+                    None => y,
+                }
+            }
+            _ => self.layer.forward_autocast(&rows.contiguous()?)?,
+        };
         if let Some(last) = dims.last_mut() {
             *last = self.out_dim;
         }
         y.reshape(dims)
+    }
+
+    /// The layer's GGUF blocks (and bias) when it holds them on CUDA in a
+    /// type BerryLM's kernels for quantized weights take (q8_0, q4_K).
+    pub fn kernel_blocks(&self) -> Option<(Arc<QTensor>, Option<Tensor>)> {
+        self.layer.gguf_weight_bias().filter(|(blocks, _)| {
+            blocks.device().is_cuda() && berrylm_kernels::takes_gguf_dtype(blocks.dtype())
+        })
     }
 
     /// The layer the host quantizes, serializes and fills.
@@ -264,6 +284,12 @@ impl HostLayer {
         })
     }
 }
+
+/// Up to this many input rows (decode steps of up to 8 sequences) a
+/// quantized projection runs in BerryLM's GEMV, which streams the weights
+/// once per group of 8 rows (the host's own quantized GEMV takes up to 8
+/// rows too); more rows take the host's quantized matmul.
+const QUANTIZED_GEMV_MAX_ROWS: usize = 8;
 
 /// One matmul of a group: a run of full-precision projections stacked, or a
 /// host layer.
