@@ -149,7 +149,7 @@ pub fn moe_experts_with(
 ///
 /// On CUDA, `moe.cu`'s decode kernels decode the blocks as they stream the
 /// weights (up to 4096 routed rows `N * k`); the CPU reference dequantizes
-/// the chosen experts and runs [`moe_experts`]'s.
+/// the experts and runs [`moe_experts`]'s.
 pub fn moe_experts_quantized(
     x: &Tensor,
     weights: &Tensor,
@@ -253,29 +253,20 @@ impl RoutedSizes {
             ids,
             gate_up,
             down,
-            tokens: self.tokens,
-            top_k: self.top_k,
-            experts: self.experts,
-            hidden: self.hidden,
-            inter: self.inter,
+            sizes: self,
         }
     }
 }
 
-/// The validated arguments of a [`moe_experts`] call and its sizes: `x`
-/// `[tokens, hidden]`, `weights` and `ids` `[tokens, top_k]`, `gate_up`
-/// `[experts, 2 * inter, hidden]` and `down` `[experts, hidden, inter]`.
+/// The validated arguments of a [`moe_experts`] call and its sizes (see
+/// [`RoutedSizes`]).
 pub(crate) struct MoeExpertsArgs<'a> {
     pub x: &'a Tensor,
     pub weights: &'a Tensor,
     pub ids: &'a Tensor,
     pub gate_up: &'a Tensor,
     pub down: &'a Tensor,
-    pub tokens: usize,
-    pub top_k: usize,
-    pub experts: usize,
-    pub hidden: usize,
-    pub inter: usize,
+    pub sizes: RoutedSizes,
 }
 
 /// `sum_c row[c] * v[c]` in f32, in index order.
@@ -284,8 +275,13 @@ fn dot(row: &[f32], v: &[f32]) -> f32 {
 }
 
 fn cpu_moe_experts(args: &MoeExpertsArgs<'_>) -> Result<Tensor> {
-    let (tokens, top_k, experts) = (args.tokens, args.top_k, args.experts);
-    let (hidden, inter) = (args.hidden, args.inter);
+    let RoutedSizes {
+        tokens,
+        top_k,
+        experts,
+        hidden,
+        inter,
+    } = args.sizes;
     let (gate_up, down) = (args.gate_up, args.down);
     let dtype = args.x.dtype();
     let x = to_f32_vec(args.x)?;

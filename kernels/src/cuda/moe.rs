@@ -115,20 +115,6 @@ struct MoeSizes {
     inter: c_int,
 }
 
-impl MoeExpertsArgs<'_> {
-    /// `[tokens, top_k, experts, hidden, inter]` as the launchers take them.
-    fn c_sizes(&self) -> Result<[c_int; 5]> {
-        RoutedSizes {
-            tokens: self.tokens,
-            top_k: self.top_k,
-            experts: self.experts,
-            hidden: self.hidden,
-            inter: self.inter,
-        }
-        .c_sizes()
-    }
-}
-
 impl RoutedSizes {
     /// `[tokens, top_k, experts, hidden, inter]` as the launchers take them.
     fn c_sizes(&self) -> Result<[c_int; 5]> {
@@ -148,7 +134,7 @@ pub(crate) fn moe_experts(
     args: &MoeExpertsArgs<'_>,
     algorithm: MoeExpertsAlgorithm,
 ) -> Result<Tensor> {
-    let routed = args.tokens * args.top_k;
+    let routed = args.sizes.tokens * args.sizes.top_k;
     if algorithm == MoeExpertsAlgorithm::Streamed && routed <= STREAMED_MAX_ROUTED_ROWS {
         moe_experts_streamed(args)
     } else if takes_tensor_cores(args) {
@@ -161,7 +147,7 @@ pub(crate) fn moe_experts(
 /// `moe.cu`'s three launches: each chosen expert's weights streamed once per
 /// group of up to 8 of its routed rows, then the combine.
 fn moe_experts_streamed(args: &MoeExpertsArgs<'_>) -> Result<Tensor> {
-    let routed = args.tokens * args.top_k;
+    let routed = args.sizes.tokens * args.sizes.top_k;
     let mut launch = Launch::new(OP, args.x)?;
     let x = launch.input("x", args.x)?;
     let weights = launch.input_as("weights", args.weights, DType::F32)?;
@@ -170,10 +156,10 @@ fn moe_experts_streamed(args: &MoeExpertsArgs<'_>) -> Result<Tensor> {
     let down = launch.input("down", args.down)?;
     let dtype = launch.dtype(x);
     // Scratch: each routed row's `h` and expert output.
-    let h = launch.output(&[routed, args.inter], dtype)?;
-    let expert_out = launch.output(&[routed, args.hidden], dtype)?;
-    let y = launch.output(&[args.tokens, args.hidden], dtype)?;
-    let [tokens, top_k, experts, hidden, inter] = args.c_sizes()?;
+    let h = launch.output(&[routed, args.sizes.inter], dtype)?;
+    let expert_out = launch.output(&[routed, args.sizes.hidden], dtype)?;
+    let y = launch.output(&[args.sizes.tokens, args.sizes.hidden], dtype)?;
+    let [tokens, top_k, experts, hidden, inter] = args.sizes.c_sizes()?;
     let outputs = run_kernel!(launch => berrylm_moe_experts(
         dtype(dtype), input(x), input(weights), input(ids), input(gate_up), input(down),
         output(h), output(expert_out), output(y),
@@ -300,12 +286,12 @@ fn takes_tensor_cores(args: &MoeExpertsArgs<'_>) -> bool {
     // SAFETY: a constant query without arguments.
     let max_experts = unsafe { berrylm_moe_grouped_max_experts() };
     matches!(args.x.dtype(), DType::BF16 | DType::F16)
-        && args.hidden.is_multiple_of(8)
-        && args.inter.is_multiple_of(8)
+        && args.sizes.hidden.is_multiple_of(8)
+        && args.sizes.inter.is_multiple_of(8)
         && [args.x, args.gate_up, args.down]
             .into_iter()
             .all(starts_aligned)
-        && usize::try_from(max_experts).is_ok_and(|max| args.experts <= max)
+        && usize::try_from(max_experts).is_ok_and(|max| args.sizes.experts <= max)
 }
 
 /// `moe_experts` for many routed rows in bf16/f16 (`moe_grouped.cu`): the
@@ -315,8 +301,8 @@ fn takes_tensor_cores(args: &MoeExpertsArgs<'_>) -> bool {
 /// combine with each routed row's grouped position. Nothing is read back to
 /// the host; ids at or above E are skipped, as the decode kernels do.
 fn moe_experts_tensor_cores(args: &MoeExpertsArgs<'_>) -> Result<Tensor> {
-    let routed = args.tokens * args.top_k;
-    let [tokens, top_k, experts, hidden, inter] = args.c_sizes()?;
+    let routed = args.sizes.tokens * args.sizes.top_k;
+    let [tokens, top_k, experts, hidden, inter] = args.sizes.c_sizes()?;
     let sizes = MoeSizes {
         tokens,
         top_k,
@@ -338,13 +324,13 @@ fn moe_experts_tensor_cores(args: &MoeExpertsArgs<'_>) -> Result<Tensor> {
     let down = launch.input("down", args.down)?;
     let dtype = launch.dtype(x);
     let chunk_counts = launch.output(scratch_len(chunk_len)?, DType::U32)?;
-    let offsets = launch.output(args.experts, DType::U32)?;
+    let offsets = launch.output(args.sizes.experts, DType::U32)?;
     let tiles = launch.output(scratch_len(tiles_len)?, DType::U32)?;
     let tile_count = launch.output(1, DType::U32)?;
     let positions = launch.output(routed, DType::U32)?;
     let tokens_of = launch.output(routed, DType::U32)?;
-    let h = launch.output(&[routed, args.inter], dtype)?;
-    let expert_out = launch.output(&[routed, args.hidden], dtype)?;
+    let h = launch.output(&[routed, args.sizes.inter], dtype)?;
+    let expert_out = launch.output(&[routed, args.sizes.hidden], dtype)?;
     let outputs = run_kernel!(launch => berrylm_moe_grouped_experts(
         dtype(dtype), input(x), input(ids), input(gate_up), input(down),
         output(chunk_counts), output(offsets), output(tiles), output(tile_count),
@@ -367,13 +353,14 @@ fn moe_experts_tensor_cores(args: &MoeExpertsArgs<'_>) -> Result<Tensor> {
 /// expert id).
 fn moe_experts_cublas(args: &MoeExpertsArgs<'_>) -> Result<Tensor> {
     let host_ids: Vec<u32> = args.ids.flatten_all()?.to_vec1()?;
-    let grouped = ExpertGroups::new(&host_ids, args.top_k, args.experts)?;
+    let grouped = ExpertGroups::new(&host_ids, args.sizes.top_k, args.sizes.experts)?;
     let device = args.x.device();
     let routed = grouped.rows.len();
     let tokens = Tensor::from_vec(grouped.tokens, routed, device)?;
     let rows = Tensor::from_vec(grouped.rows, routed, device)?;
     let x_rows = args.x.contiguous()?.index_select(&tokens, 0)?;
-    let (gate_up, down, inter, hidden) = (args.gate_up, args.down, args.inter, args.hidden);
+    let (gate_up, down, inter, hidden) =
+        (args.gate_up, args.down, args.sizes.inter, args.sizes.hidden);
     let projected = grouped_gemm(&x_rows, gate_up, &grouped.groups, 2 * inter, hidden)?;
     let h = crate::swiglu(&projected)?;
     let expert_out = grouped_gemm(&h, down, &grouped.groups, hidden, inter)?;
@@ -502,8 +489,8 @@ fn combine(expert_out: &Tensor, rows: &Tensor, args: &MoeExpertsArgs<'_>) -> Res
     let ids = launch.input("ids", args.ids)?;
     let rows = launch.input("ids", rows)?;
     let dtype = launch.dtype(expert_out);
-    let y = launch.output(&[args.tokens, args.hidden], dtype)?;
-    let [tokens, top_k, experts, hidden, _] = args.c_sizes()?;
+    let y = launch.output(&[args.sizes.tokens, args.sizes.hidden], dtype)?;
+    let [tokens, top_k, experts, hidden, _] = args.sizes.c_sizes()?;
     let outputs = run_kernel!(launch => berrylm_moe_combine(
         dtype(dtype), input(expert_out), input(weights), input(ids), input(rows), output(y),
         tokens, top_k, experts, hidden
