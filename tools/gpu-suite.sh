@@ -20,8 +20,9 @@
 # the 40-layer checkpoint first, once per machine), scale-serve (that checkpoint
 # through `mistralrs serve`: tools/load_test.py's sweep at concurrency
 # $SCALE_CONCURRENCY, default 1,64,256, then batch-1 decode end to end),
-# scale-isq (that checkpoint served with each ISQ type of $SCALE_ISQ: load time,
-# memory, batch-1 decode end to end, the sweep at concurrency 64),
+# scale-isq (that checkpoint served unquantized and with each ISQ type of
+# $SCALE_ISQ at once: load time, memory, batch-1 decode end to end alternated
+# between them, the sweep at concurrency 64),
 # scale-align-isq (that checkpoint quantized to each type of $SCALE_ISQ,
 # teacher-forced against the unquantized bf16 model), isq (the ISQ and UQFF
 # serving tests on the GPU), scale-profile (perf's most sampled symbols of the
@@ -137,33 +138,66 @@ scale_serve() {
     return "$code"
 }
 
-# The scale-isq step: the 40-layer checkpoint served with in-situ quantization,
-# each type of $SCALE_ISQ (a space-separated list, default "q4k q8_0") in turn (paged attention, a 16 GiB
-# KV pool): the load time (start to ready), the plugin's line of the weights'
-# bytes, the device memory in use once ready, batch-1 decode end to end and the
-# load tool's sweep at concurrency 64 (128-token prompts, 128 output tokens).
+# The scale-isq step: the 40-layer checkpoint served unquantized and with
+# each ISQ type of $SCALE_ISQ (default "q4k q8_0") at once, one server per
+# model on ports $SCALE_PORT, +1, ... (paged attention, 4 GiB KV pools, 64
+# sequences): each one's load time (started together, start to ready), the
+# plugin's line of the weights' bytes and device memory; batch-1 decode end to
+# end in $SCALE_ISQ_ROUNDS rounds (default 3), each round visiting every server
+# in turn, so that the host CPU's speed, which drifts over tens of seconds,
+# weighs on every model alike; then each one's concurrency-64 sweep (128-token
+# prompts, 128 output tokens, 2 requests per client), one at a time.
 scale_isq() {
-    local isq start code=0
+    local isq code=0 ready=0 port round pids=() names=() starts=() ready_s=()
     scale_checkpoint || return 1
-    for isq in ${SCALE_ISQ:-q4k q8_0}; do
-        start=$(date +%s)
-        if ! READY_TIMEOUT_S=540 start_server "$SCALE_CHECKPOINT" "$SCALE_PORT" --dtype bf16 \
-            --max-seqs 64 --pa-memory-mb 16384 --isq "$isq"; then
-            stop_server
-            code=1
-            continue
-        fi
-        echo "isq $isq: ready $(($(date +%s) - start)) s after start"
-        grep -h "in-situ quantization quantized" "$server_log"
-        nvidia-smi --query-gpu=memory.used --format=csv,noheader | sed "s/^/isq $isq: device memory in use /"
-        timeout 120 python3 tools/e2e_decode.py --url "http://127.0.0.1:$SCALE_PORT" \
-            --prompt-tokens 32 --max-tokens 65 --repeats 3 --warmup 1 \
-            ${OUT:+--json "$OUT/e2e-40l-$isq.json"} || code=1
-        timeout 240 python3 tools/load_test.py sweep --url "http://127.0.0.1:$SCALE_PORT" \
-            --concurrency 64 --prompt-tokens 128 --output-tokens 128 \
-            ${OUT:+--json "$OUT/sweep-40l-$isq.json"} || code=1
-        stop_server
+    names=(none ${SCALE_ISQ:-q4k q8_0})
+    for i in "${!names[@]}"; do
+        isq="${names[$i]}"
+        starts[$i]=$(date +%s)
+        "$BIN/mistralrs" serve -m "$SCALE_CHECKPOINT" --port $((SCALE_PORT + i)) --dtype bf16 \
+            --max-seqs 64 --pa-memory-mb 4096 $([ "$isq" = none ] || echo --isq "$isq") \
+            > "${OUT:-/tmp}/server-40l-$isq.log" 2>&1 &
+        pids[$i]=$!
+        ready_s[$i]=""
     done
+    for _ in $(seq 540); do
+        for i in "${!names[@]}"; do
+            [ -n "${ready_s[$i]}" ] && continue
+            if curl -sf "http://127.0.0.1:$((SCALE_PORT + i))/v1/models" > /dev/null; then
+                ready_s[$i]=$(($(date +%s) - starts[i]))
+                ready=$((ready + 1))
+            fi
+        done
+        [ "$ready" -eq "${#names[@]}" ] && break
+        sleep 1
+    done
+    for i in "${!names[@]}"; do
+        echo "${names[$i]}: ready ${ready_s[$i]:-never} s after start (pid ${pids[$i]})"
+        grep -h "in-situ quantization quantized" "${OUT:-/tmp}/server-40l-${names[$i]}.log"
+    done
+    nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader
+    if [ "$ready" -ne "${#names[@]}" ]; then
+        kill "${pids[@]}"
+        wait
+        return 1
+    fi
+    for round in $(seq "${SCALE_ISQ_ROUNDS:-3}"); do
+        for i in "${!names[@]}"; do
+            timeout 120 python3 tools/e2e_decode.py --url "http://127.0.0.1:$((SCALE_PORT + i))" \
+                --prompt-tokens 32 --max-tokens 65 --repeats 3 --warmup 1 \
+                ${OUT:+--json "$OUT/e2e-40l-${names[$i]}-$round.json"} 2>&1 |
+                grep "decode:" | sed "s/^/round $round ${names[$i]}/" || code=1
+        done
+    done
+    for i in "${!names[@]}"; do
+        port=$((SCALE_PORT + i))
+        timeout 240 python3 tools/load_test.py sweep --url "http://127.0.0.1:$port" \
+            --concurrency 64 --prompt-tokens 128 --output-tokens 128 --requests-per-client 2 \
+            ${OUT:+--json "$OUT/sweep-40l-${names[$i]}.json"} 2>&1 |
+            grep -E "^\| 64" | sed "s/^/${names[$i]} /" || code=1
+    done
+    kill "${pids[@]}"
+    wait
     return "$code"
 }
 

@@ -8,6 +8,7 @@ use candle_core::{DType, Device};
 use clap::builder::RangedU64ValueParser;
 use clap::error::ErrorKind;
 use clap::{CommandFactory, Parser, ValueEnum};
+use mistralrs_quant::IsqType;
 
 /// Builds a BerryLM-OS-shaped model with random weights on the device (nothing
 /// is read from disk, nothing written but --json and --save-checkpoint) and
@@ -71,12 +72,21 @@ struct Cli {
     /// Also write every figure as JSON.
     #[arg(long, value_name = "OUT")]
     json: Option<PathBuf>,
+    /// Quantize the projections as `mistralrs serve --isq TYPE` does (the
+    /// host's in-situ quantization of the projections BerryLM lets it
+    /// quantize) while the model is built.
+    #[arg(long, value_name = "TYPE", value_parser = parse_isq)]
+    isq: Option<IsqType>,
     /// Instead of benchmarking, write the model as a servable checkpoint:
     /// DIR/config.json, DIR/model.safetensors (bf16, generated on the device
     /// tensor by tensor) and a word-level tokenizer over `t0 ... t{vocab-1}`
     /// (eos: the last word).
     #[arg(long, value_name = "DIR")]
     save_checkpoint: Option<PathBuf>,
+}
+
+fn parse_isq(value: &str) -> Result<IsqType, String> {
+    mistralrs_core::parse_isq_value(value, None)
 }
 
 fn positive() -> RangedU64ValueParser<usize> {
@@ -175,6 +185,7 @@ pub struct Args {
     pub copy_mib: usize,
     pub seed: u64,
     pub json: Option<PathBuf>,
+    pub isq: Option<IsqType>,
     pub save_checkpoint: Option<PathBuf>,
 }
 
@@ -232,6 +243,7 @@ impl Cli {
             }),
             seed: self.seed,
             json: self.json,
+            isq: self.isq,
             save_checkpoint: self.save_checkpoint,
         })
     }
@@ -248,6 +260,7 @@ mod tests {
         assert_eq!(args.copy_mib, 1024);
         let args = Args::try_parse([]).unwrap();
         assert_eq!(args.layers, 8);
+        assert_eq!(args.isq, None);
         assert_eq!(args.prefill, vec![512, 4096, 16384]);
         assert_eq!(args.decode, vec![1, 8, 64]);
         assert_eq!((args.context, args.steps, args.warmup), (128, 32, 3));
@@ -266,6 +279,8 @@ mod tests {
             "--decode=1,2",
             "--json",
             "out.json",
+            "--isq",
+            "Q4K",
             "--save-checkpoint",
             "/tmp/ck",
         ])
@@ -278,6 +293,7 @@ mod tests {
         assert_eq!(args.decode, vec![1, 2]);
         assert_eq!(args.copy_mib, 256);
         assert_eq!(args.json, Some(PathBuf::from("out.json")));
+        assert_eq!(args.isq, Some(IsqType::Q4K));
         assert_eq!(args.save_checkpoint, Some(PathBuf::from("/tmp/ck")));
         assert!(Args::try_parse(["--prefill", "none"])
             .unwrap()
@@ -299,6 +315,7 @@ mod tests {
             &["--device", "cpu", "--dtype", "bf16"],
             &["--device", "metal"],
             &["--decode", "1,x"],
+            &["--isq", "q9"],
             &["--tiny=1"],
             &["--frobnicate"],
         ] {

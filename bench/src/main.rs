@@ -85,7 +85,27 @@ fn run() -> Result<bool> {
     }
 
     let start = Instant::now();
-    let model = shape::build_model(&shape, args.dtype.candle(), &device)?;
+    let model = match args.isq {
+        None => shape::build_model(&shape, args.dtype.candle(), &device)?,
+        Some(isq) => {
+            let (model, quantization) =
+                shape::build_quantized_model(&shape, args.dtype.candle(), &device, isq)?;
+            println!("in-situ quantization to {isq:?}: {quantization}");
+            println!(
+                "  (the decode floors below are of the unquantized weights; the weights now take \
+                 {:.1} % of their bytes)",
+                100.0 * quantization.bytes as f64 / quantization.full_precision_bytes as f64
+            );
+            report["isq"] = json!({
+                "type": format!("{isq:?}"),
+                "projections": quantization.projections,
+                "quantized": quantization.quantized,
+                "bytes": quantization.bytes,
+                "full_precision_bytes": quantization.full_precision_bytes,
+            });
+            model
+        }
+    };
     device.synchronize()?;
     let build_s = start.elapsed().as_secs_f64();
     println!("random model generated on the device and loaded in {build_s:.1} s");

@@ -163,6 +163,56 @@ fn tiny_cpu_run_reports_every_requested_figure() -> Result<()> {
     Ok(())
 }
 
+/// `--isq q8_0`: the host quantizes the projections BerryLM lets it quantize
+/// (4 layers, [KDA x3, attention]: the LM head, 3 KDA projections per KDA
+/// layer and 4 attention projections, 8 experts x 3 plus the shared expert's
+/// 3 per layer) and the quantized model prefills and decodes.
+#[test]
+fn tiny_cpu_run_quantized_in_situ() -> Result<()> {
+    let out = std::env::temp_dir().join(format!("berrylm-bench-isq-{}", std::process::id()));
+    std::fs::create_dir_all(&out)?;
+    let json_path = out.join("bench.json");
+    let stdout = run_tiny_bench(
+        &[
+            "--isq",
+            "q8_0",
+            "--prefill",
+            "16",
+            "--decode",
+            "1",
+            "--context",
+            "8",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--repeats",
+            "1",
+            "--no-kernels",
+            "--no-op-costs",
+            "--copy-mib",
+            "8",
+            "--json",
+        ],
+        &json_path,
+    )?;
+    assert!(stdout.contains("in-situ quantization to Q8_0"), "{stdout}");
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(&json_path)?)?;
+    assert_eq!(report["errors"], Value::Array(Vec::new()), "{report:#}");
+    let expected = 1 + (3 * 3 + 4) + 4 * (3 * 8 + 3);
+    assert_eq!(report["isq"]["projections"], expected, "{report:#}");
+    assert_eq!(report["isq"]["quantized"], expected, "{report:#}");
+    let bytes = positive(&report["isq"]["bytes"], "quantized bytes");
+    let full = positive(&report["isq"]["full_precision_bytes"], "f32 bytes");
+    // q8_0 keeps 34 bytes of 32 f32 weights (128 bytes); the embedding,
+    // norms, routers and gates stay in f32.
+    assert!(bytes < 0.5 * full, "{bytes} of {full} bytes");
+    throughput(&report["prefill"][0], "forward_ms", 16, "prefill");
+    throughput(&report["decode"][0], "ms_per_step", 1, "decode");
+    std::fs::remove_dir_all(&out).ok();
+    Ok(())
+}
+
 /// `--save-checkpoint`: the tiny model written as a checkpoint folder loads
 /// back through the plugin (so every tensor is there under its HF name), its
 /// config round-trips and the word-level tokenizer covers the vocabulary.

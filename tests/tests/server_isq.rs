@@ -5,7 +5,8 @@
 //! answers) as the unquantized model does, streamed and not; MoQE quantizes
 //! the experts and the LM head only; `mistralrs quantize` writes a UQFF file
 //! that `serve --from-uqff` loads into the same tokens and log-probabilities
-//! as `--isq q8_0`.
+//! as `--isq q8_0`. And every projection quantized while loading hands out
+//! its GGUF blocks, which BerryLM's CUDA kernels read in place.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -16,7 +17,10 @@ use berrylm_tests::chat::{
 };
 use berrylm_tests::server::Server;
 use berrylm_tests::{host_binary, Fixture};
+use candle_core::quantized::GgmlDType;
 use candle_core::safetensors::MmapedSafetensors;
+use candle_core::{DType, Device};
+use mistralrs_quant::IsqType;
 use serde_json::{json, Value};
 
 /// Bytes of q8_0 data per 32 weights (32 int8 and an f16 scale).
@@ -310,5 +314,34 @@ fn a_uqff_file_from_mistralrs_quantize_serves_the_tokens_of_isq() -> Result<()> 
     };
     let server = Server::start(&fixture.model_dir, &["--dtype", "f32", "--isq", "q8_0"])?;
     assert_eq!(from_uqff, tokens_and_logprobs(&server, &chats)?);
+    Ok(())
+}
+
+/// The host quantizes while loading on a thread pool and holds each layer as
+/// a placeholder that waits for its quantization; through it, as through a
+/// layer loaded from UQFF, every quantized projection must hand out its q8_0
+/// blocks (on CUDA, BerryLM's decode kernels run on them; a projection
+/// without them falls back to the host's quantized matmul, which rounds its
+/// inputs to q8_1).
+#[test]
+fn every_projection_quantized_while_loading_hands_out_its_gguf_blocks() -> Result<()> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let (mut model, report) = berrylm::driver::load_checkpoint_quantized(
+        &fixture.model_dir,
+        DType::F32,
+        &Device::Cpu,
+        IsqType::Q8_0,
+    )?;
+    let (expected_projections, _) = quantized_projections(&fixture)?;
+    assert_eq!(report.quantized, expected_projections);
+    let mut with_blocks = 0;
+    for (layer, index) in model.host_layers_mut() {
+        let (blocks, _) = layer
+            .gguf_blocks()
+            .with_context(|| format!("a projection of layer {index:?} holds no GGUF blocks"))?;
+        assert_eq!(blocks.dtype(), GgmlDType::Q8_0, "layer {index:?}");
+        with_blocks += layer.projections();
+    }
+    assert_eq!(with_blocks, expected_projections);
     Ok(())
 }

@@ -13,7 +13,7 @@
 // Three kernels. The first two give each block one expert and a tile of
 // output rows of its weights; the block collects the routed rows
 // (r = n * top_k + s) sent to its expert, in order, and streams each weight
-// row once per group of up to kTokens of them, one warp per row (16-byte
+// row once per group of up to kTokens (8) of them, one warp per row (16-byte
 // loads where sizes and addresses allow). With fewer routed rows than
 // experts, the grid runs over the routed rows instead and a block whose
 // expert appeared at an earlier row exits, so no block is launched for
@@ -28,7 +28,6 @@ constexpr int kWarps = kThreads / 32;
 // One weight row per warp: at batch 1 the step reads 8 experts' rows, and
 // many small blocks keep more of those reads in flight than fewer big ones.
 constexpr int kRowsPerBlock = kWarps;
-constexpr int kTokens = berrylm::rows::kTokens;
 // At least MOE_KERNEL_MAX_ROUTED_ROWS in src/cuda/moe.rs (the rows it sends here).
 constexpr int kMaxRouted = 4096;
 
@@ -75,8 +74,8 @@ __device__ int collect_rows(const uint32_t* __restrict__ ids, int routed, int ex
 
 // h[r, j] for the j of this block's tile: gate row j and up row I + j of the
 // expert's [2I, H] weights (in the row format `Rows`) against x of the row's
-// token.
-template <typename T, typename Rows>
+// token, in groups of up to TOKENS rows.
+template <typename T, typename Rows, int TOKENS>
 __global__ void __launch_bounds__(kThreads)
     gate_up_kernel(const T* __restrict__ x, const uint32_t* __restrict__ ids,
                    const typename Rows::Weight* __restrict__ gate_up, T* __restrict__ h,
@@ -93,16 +92,16 @@ __global__ void __launch_bounds__(kThreads)
     const auto* gate_row = Rows::row(gate_up, first_row + j, hidden);
     const auto* up_row = Rows::row(gate_up, first_row + inter + j, hidden);
     const int pieces = Rows::pieces(hidden);
-    for (int t0 = 0; t0 < count; t0 += kTokens) {
-        const int tokens = min(kTokens, count - t0);
-        float gate[kTokens] = {};
-        float up[kTokens] = {};
+    for (int t0 = 0; t0 < count; t0 += TOKENS) {
+        const int tokens = min(TOKENS, count - t0);
+        float gate[TOKENS] = {};
+        float up[TOKENS] = {};
 #pragma unroll 2
         for (int p = lane; p < pieces; p += 32) {
             const typename Rows::Piece wg = Rows::load(gate_row, p);
             const typename Rows::Piece wu = Rows::load(up_row, p);
 #pragma unroll
-            for (int t = 0; t < kTokens; ++t) {
+            for (int t = 0; t < TOKENS; ++t) {
                 if (t < tokens) {
                     float xv[Rows::kRuns][Rows::kRunLen];
                     berrylm::rows::load_activations<Rows>(
@@ -113,7 +112,7 @@ __global__ void __launch_bounds__(kThreads)
             }
         }
 #pragma unroll
-        for (int t = 0; t < kTokens; ++t) {
+        for (int t = 0; t < TOKENS; ++t) {
             if (t < tokens) {
                 const float g = berrylm::round_to<T>(berrylm::warp_sum(gate[t]));
                 const float u = berrylm::round_to<T>(berrylm::warp_sum(up[t]));
@@ -128,8 +127,8 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // out[r, i] = round_x(down row i of the expert's [H, I] weights (in the row
-// format `Rows`) . h[r]).
-template <typename T, typename Rows>
+// format `Rows`) . h[r]), in groups of up to TOKENS rows.
+template <typename T, typename Rows, int TOKENS>
 __global__ void __launch_bounds__(kThreads)
     down_kernel(const T* __restrict__ h, const uint32_t* __restrict__ ids,
                 const typename Rows::Weight* __restrict__ down, T* __restrict__ out, int routed,
@@ -143,14 +142,14 @@ __global__ void __launch_bounds__(kThreads)
     const int i = blockIdx.y * kRowsPerBlock + warp;
     if (i >= hidden) return;
     const auto* row = Rows::row(down, static_cast<long long>(expert) * hidden + i, inter);
-    for (int t0 = 0; t0 < count; t0 += kTokens) {
-        const int tokens = min(kTokens, count - t0);
-        float sum[kTokens];
-        berrylm::rows::stream_row<Rows>(row, inter, tokens, sum, [&](int t) {
+    for (int t0 = 0; t0 < count; t0 += TOKENS) {
+        const int tokens = min(TOKENS, count - t0);
+        float sum[TOKENS];
+        berrylm::rows::stream_row<Rows, TOKENS>(row, inter, tokens, sum, [&](int t) {
             return h + static_cast<long long>(rows[t0 + t]) * inter;
         });
 #pragma unroll
-        for (int t = 0; t < kTokens; ++t) {
+        for (int t = 0; t < TOKENS; ++t) {
             if (t < tokens) {
                 const float total = berrylm::warp_sum(sum[t]);
                 if (lane == 0) {
@@ -239,7 +238,8 @@ int launch_combine(const T* expert_out, const float* weights, const uint32_t* id
 }
 
 // Both projections of the routed rows, the expert weights in the row format
-// `Rows`.
+// `Rows`. A single token's experts each have one row (top-k ids are
+// distinct), so they run in the kernels for one row per group.
 template <typename T, typename Rows>
 void launch_projections(const T* x, const uint32_t* ids, const typename Rows::Weight* gate_up,
                         const typename Rows::Weight* down, T* h, T* expert_out, int routed,
@@ -247,11 +247,14 @@ void launch_projections(const T* x, const uint32_t* ids, const typename Rows::We
     const int by_row = routed < experts ? 1 : 0;
     const unsigned int candidates = static_cast<unsigned int>(by_row ? routed : experts);
     const dim3 gate_up_grid(candidates, (inter + kRowsPerBlock - 1) / kRowsPerBlock);
-    gate_up_kernel<T, Rows><<<gate_up_grid, kThreads, 0, stream>>>(
-        x, ids, gate_up, h, routed, top_k, experts, hidden, inter, by_row);
     const dim3 down_grid(candidates, (hidden + kRowsPerBlock - 1) / kRowsPerBlock);
-    down_kernel<T, Rows><<<down_grid, kThreads, 0, stream>>>(h, ids, down, expert_out, routed,
-                                                            experts, hidden, inter, by_row);
+    berrylm::rows::with_group_size(routed / top_k, [&](auto group) {
+        constexpr int kGroup = decltype(group)::value;
+        gate_up_kernel<T, Rows, kGroup><<<gate_up_grid, kThreads, 0, stream>>>(
+            x, ids, gate_up, h, routed, top_k, experts, hidden, inter, by_row);
+        down_kernel<T, Rows, kGroup><<<down_grid, kThreads, 0, stream>>>(
+            h, ids, down, expert_out, routed, experts, hidden, inter, by_row);
+    });
 }
 
 template <typename T>

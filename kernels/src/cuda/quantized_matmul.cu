@@ -1,7 +1,7 @@
 // y = x W^T for a few rows of x (decode) and W in GGUF blocks: one warp per
-// output column j streams row j of W once per group of up to kTokens rows of
-// x, decoding its blocks on the fly (weight_rows.cuh), and writes
-// y[n, j] = round_x(the f32 dot product). One launch, x and y in the
+// output column j streams row j of W once per group of up to TOKENS rows of
+// x (1 for a single row, else kTokens), decoding its blocks on the fly
+// (weight_rows.cuh), and writes y[n, j] = round_x(the f32 dot product). One launch, x and y in the
 // activation dtype: no cast of x, no quantized copy of it, no f32 output.
 #include "common.cuh"
 #include "weight_rows.cuh"
@@ -10,9 +10,7 @@ namespace berrylm::quantized_matmul {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kTokens = berrylm::rows::kTokens;
-
-template <typename T, typename Rows>
+template <typename T, typename Rows, int TOKENS>
 __global__ void __launch_bounds__(kThreads)
     gemv_kernel(const T* __restrict__ x, const uint8_t* __restrict__ weight, T* __restrict__ y,
                 int tokens, int in_dim, int out_dim) {
@@ -20,14 +18,14 @@ __global__ void __launch_bounds__(kThreads)
     const int j = blockIdx.x * kWarps + (threadIdx.x >> 5);
     if (j >= out_dim) return;
     const uint8_t* row = Rows::row(weight, j, in_dim);
-    for (int t0 = 0; t0 < tokens; t0 += kTokens) {
-        const int count = min(kTokens, tokens - t0);
-        float sum[kTokens];
-        berrylm::rows::stream_row<Rows>(row, in_dim, count, sum, [&](int t) {
+    for (int t0 = 0; t0 < tokens; t0 += TOKENS) {
+        const int count = min(TOKENS, tokens - t0);
+        float sum[TOKENS];
+        berrylm::rows::stream_row<Rows, TOKENS>(row, in_dim, count, sum, [&](int t) {
             return x + static_cast<long long>(t0 + t) * in_dim;
         });
 #pragma unroll
-        for (int t = 0; t < kTokens; ++t) {
+        for (int t = 0; t < TOKENS; ++t) {
             if (t < count) {
                 const float total = berrylm::warp_sum(sum[t]);
                 if (lane == 0) {
@@ -57,9 +55,11 @@ extern "C" int berrylm_quantized_matmul(int dtype, int format, const void* x, co
     BERRYLM_DISPATCH_DTYPE(dtype, T, {
         BERRYLM_DISPATCH_GGUF(format, Rows, {
             if (in_dim % Rows::kBlockWeights != 0) return static_cast<int>(cudaErrorInvalidValue);
-            gemv_kernel<T, Rows><<<blocks, kThreads, 0, s>>>(
-                static_cast<const T*>(x), static_cast<const uint8_t*>(weight), static_cast<T*>(y),
-                tokens, in_dim, out_dim);
+            berrylm::rows::with_group_size(tokens, [&](auto group) {
+                gemv_kernel<T, Rows, decltype(group)::value><<<blocks, kThreads, 0, s>>>(
+                    static_cast<const T*>(x), static_cast<const uint8_t*>(weight),
+                    static_cast<T*>(y), tokens, in_dim, out_dim);
+            });
             return berrylm::launch_status();
         });
     });

@@ -13,10 +13,13 @@
 //   accumulate(piece, x, acc)
 //                          acc plus the piece's share of the dot product with
 //                          x[r][v], the activations at the piece's columns.
-// A quantized weight is read as ggml defines its value (d * q for q8_0,
-// d * sc * q - dmin * m for q4_K, in f32); the dot product factors the block
-// scales out of the sums of the piece's runs.
+// A quantized weight is read as ggml defines its value, d q for q8_0 (the
+// dot product sums q x over a piece and scales the sum by d) and
+// (d sc) q - (dmin m) for q4_K (each weight decoded to the value candle's
+// dequantization gives it), in f32.
 #pragma once
+
+#include <type_traits>
 
 #include "common.cuh"
 
@@ -73,6 +76,25 @@ __device__ __forceinline__ float half_at(const uint8_t* p) {
     return __half2float(*reinterpret_cast<const __half*>(p));
 }
 
+// The f32 value of byte B (0..3) of `word`, read as an unsigned integer,
+// minus `zero` (a small integer): the byte becomes the low mantissa bits of
+// 2^23 (one byte permute), and subtracting 2^23 + zero leaves exactly the
+// difference. Avoids the integer-to-float conversion, which runs at a
+// quarter of the rate of f32 arithmetic.
+template <int B>
+__device__ __forceinline__ float byte_value(uint32_t word, float zero = 0.0f) {
+    constexpr float kTwoPow23 = 8388608.0f;
+    // Result bytes: word's byte B, 0, 0, 0x4B (from 0x4B000000's bytes 4..7).
+    return __int_as_float(static_cast<int>(__byte_perm(word, 0x4B000000u, 0x7440u + B))) -
+           (kTwoPow23 + zero);
+}
+
+// The f16 in the low (HIGH = 0) or high half of `word`, in f32.
+template <int HIGH>
+__device__ __forceinline__ float half_value(uint32_t word) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(word >> (16 * HIGH))));
+}
+
 // Rows of GGUF blocks of BLOCK_WEIGHTS weights in BLOCK_BYTES bytes each.
 template <int BLOCK_WEIGHTS, int BLOCK_BYTES>
 struct GgufBlocks {
@@ -86,7 +108,7 @@ struct GgufBlocks {
 
 // q8_0: blocks of 32 weights, 34 bytes (f16 d, then 32 int8 q); a piece is 8
 // weights of one block (a quarter), read as 2-byte words (a row of blocks is
-// only 2-byte aligned).
+// only 2-byte aligned). The dot product sums q x and scales the sum by d.
 struct Q8_0Rows : GgufBlocks<32, 34> {
     static constexpr int kRuns = 1;
     static constexpr int kRunLen = 8;
@@ -99,14 +121,23 @@ struct Q8_0Rows : GgufBlocks<32, 34> {
     __device__ static Piece load(const uint8_t* row, int piece) {
         const uint8_t* block = row + (piece >> 2) * kBlockBytes;
         const uint16_t* words = reinterpret_cast<const uint16_t*>(block + 2 + (piece & 3) * 8);
+        // The int8 values offset by 128 (sign bit flipped) are unsigned bytes.
+        const uint32_t low = (static_cast<uint32_t>(__ldg(words)) |
+                              (static_cast<uint32_t>(__ldg(words + 1)) << 16)) ^
+                             0x80808080u;
+        const uint32_t high = (static_cast<uint32_t>(__ldg(words + 2)) |
+                               (static_cast<uint32_t>(__ldg(words + 3)) << 16)) ^
+                              0x80808080u;
         Piece p;
         p.d = half_at(block);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const uint16_t word = __ldg(words + i);
-            p.q[2 * i] = static_cast<float>(static_cast<int8_t>(word & 0xff));
-            p.q[2 * i + 1] = static_cast<float>(static_cast<int8_t>(word >> 8));
-        }
+        p.q[0] = byte_value<0>(low, 128.0f);
+        p.q[1] = byte_value<1>(low, 128.0f);
+        p.q[2] = byte_value<2>(low, 128.0f);
+        p.q[3] = byte_value<3>(low, 128.0f);
+        p.q[4] = byte_value<0>(high, 128.0f);
+        p.q[5] = byte_value<1>(high, 128.0f);
+        p.q[6] = byte_value<2>(high, 128.0f);
+        p.q[7] = byte_value<3>(high, 128.0f);
         return p;
     }
     __device__ static float accumulate(const Piece& p, const float (&x)[kRuns][kRunLen],
@@ -122,54 +153,67 @@ struct Q8_0Rows : GgufBlocks<32, 34> {
 // eight 6-bit scales and mins, 128 bytes of 4-bit q). Byte b of q-chunk jj
 // (32 bytes) holds weight 64 jj + b (low nibble, sub-block 2 jj) and
 // 64 jj + 32 + b (high nibble, sub-block 2 jj + 1). A piece is 8 bytes of one
-// chunk: runs of 8 weights in its two sub-blocks. Blocks are 16-byte aligned.
+// chunk: runs of 8 weights in its two sub-blocks, each weight decoded to its
+// value as candle dequantizes it, (d sc) q - (dmin m) in f32. Blocks are
+// 16-byte aligned.
 struct Q4KRows : GgufBlocks<256, 144> {
     static constexpr int kRuns = 2;
     static constexpr int kRunLen = 8;
     struct Piece {
-        float q[2][8];
-        float scale[2];
-        float min[2];
+        float w[2][8];
     };
     __device__ static int pieces(int width) { return width / 16; }
     __device__ static int column(int piece, int run) {
         const int in_block = piece & 15;
         return (piece >> 4) * kBlockWeights + (in_block >> 2) * 64 + run * 32 + (in_block & 3) * 8;
     }
-    // ggml's get_scale_min_k4: the 6-bit scale and min of sub-block j.
-    __device__ static void scale_min(const uint8_t* scales, int j, int& scale, int& min) {
+    // ggml's get_scale_min_k4: the 6-bit scale and min of sub-block j, from
+    // the 12 scale bytes as three little-endian words (bytes 0-3, 4-7, 8-11),
+    // by shifts (no byte array, which would live in local memory).
+    __device__ static void scale_min(uint32_t w0, uint32_t w1, uint32_t w2, int j, int& scale,
+                                     int& min) {
+        const int shift = 8 * (j & 3);
+        const uint32_t b0 = (w0 >> shift) & 0xFF;  // byte j & 3
+        const uint32_t b1 = (w1 >> shift) & 0xFF;  // byte 4 + (j & 3)
+        const uint32_t b2 = (w2 >> shift) & 0xFF;  // byte 8 + (j & 3)
         if (j < 4) {
-            scale = scales[j] & 63;
-            min = scales[j + 4] & 63;
+            scale = static_cast<int>(b0 & 63);
+            min = static_cast<int>(b1 & 63);
         } else {
-            scale = (scales[j + 4] & 0xF) | ((scales[j - 4] >> 6) << 4);
-            min = (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4);
+            scale = static_cast<int>((b2 & 0xF) | ((b0 >> 6) << 4));
+            min = static_cast<int>((b2 >> 4) | ((b1 >> 6) << 4));
         }
     }
     __device__ static Piece load(const uint8_t* row, int piece) {
         const uint8_t* block = row + (piece >> 4) * kBlockBytes;
-        const uint4 header_words = __ldg(reinterpret_cast<const uint4*>(block));
-        const uint8_t* header = reinterpret_cast<const uint8_t*>(&header_words);
+        const uint4 header = __ldg(reinterpret_cast<const uint4*>(block));
         const int in_block = piece & 15;
         const int chunk = in_block >> 2;
-        const uint2 q_words =
-            __ldg(reinterpret_cast<const uint2*>(block + 16 + chunk * 32 + (in_block & 3) * 8));
-        const uint8_t* q = reinterpret_cast<const uint8_t*>(&q_words);
-        const float d = half_at(header);
-        const float dmin = half_at(header + 2);
+        const uint2 q = __ldg(
+            reinterpret_cast<const uint2*>(block + 16 + chunk * 32 + (in_block & 3) * 8));
+        const float d = half_value<0>(header.x);
+        const float dmin = half_value<1>(header.x);
+        // Run 0: the low nibbles (sub-block 2 chunk), run 1: the high ones.
+        const uint32_t nibbles[2][2] = {{q.x & 0x0F0F0F0Fu, q.y & 0x0F0F0F0Fu},
+                                        {(q.x >> 4) & 0x0F0F0F0Fu, (q.y >> 4) & 0x0F0F0F0Fu}};
         Piece p;
 #pragma unroll
         for (int run = 0; run < 2; ++run) {
             int scale;
             int min;
-            scale_min(header + 4, 2 * chunk + run, scale, min);
-            p.scale[run] = d * static_cast<float>(scale);
-            p.min[run] = dmin * static_cast<float>(min);
-        }
+            scale_min(header.y, header.z, header.w, 2 * chunk + run, scale, min);
+            const float scaled = d * static_cast<float>(scale);
+            const float offset = dmin * static_cast<float>(min);
 #pragma unroll
-        for (int v = 0; v < 8; ++v) {
-            p.q[0][v] = static_cast<float>(q[v] & 0xF);
-            p.q[1][v] = static_cast<float>(q[v] >> 4);
+            for (int half = 0; half < 2; ++half) {
+                const uint32_t word = nibbles[run][half];
+                const float values[4] = {byte_value<0>(word), byte_value<1>(word),
+                                         byte_value<2>(word), byte_value<3>(word)};
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    p.w[run][4 * half + i] = __fsub_rn(__fmul_rn(scaled, values[i]), offset);
+                }
+            }
         }
         return p;
     }
@@ -177,14 +221,8 @@ struct Q4KRows : GgufBlocks<256, 144> {
                                        float acc) {
 #pragma unroll
         for (int run = 0; run < kRuns; ++run) {
-            float sum_qx = 0.0f;
-            float sum_x = 0.0f;
 #pragma unroll
-            for (int v = 0; v < kRunLen; ++v) {
-                sum_qx = fmaf(p.q[run][v], x[run][v], sum_qx);
-                sum_x += x[run][v];
-            }
-            acc = fmaf(p.scale[run], sum_qx, fmaf(-p.min[run], sum_x, acc));
+            for (int v = 0; v < kRunLen; ++v) acc = fmaf(p.w[run][v], x[run][v], acc);
         }
         return acc;
     }
@@ -204,24 +242,37 @@ __device__ __forceinline__ void load_activations(const T* x, int piece,
     }
 }
 
-// The rows of activations a warp streams a weight row against at once.
+// The rows of activations a warp streams a weight row against at once (a
+// kernel instantiated for one row, TOKENS = 1, serves single-token steps
+// with fewer registers).
 constexpr int kTokens = 8;
+
+// The rows per group a kernel is instantiated for, given the rows of the
+// call: one for a single-token step, else kTokens.
+template <typename F>
+__host__ __forceinline__ void with_group_size(int tokens, F launch) {
+    if (tokens == 1) {
+        launch(std::integral_constant<int, 1>{});
+    } else {
+        launch(std::integral_constant<int, kTokens>{});
+    }
+}
 
 // sum[t] = this lane's share of the dot product of `row` (`width` weights in
 // the format `Rows`) with the activation row activations(t), for t < count
-// (at most kTokens): the weight row is read once for all of them; the
+// (at most TOKENS): the weight row is read once for all of them; the
 // caller adds the lanes' shares (warp_sum).
-template <typename Rows, typename Activations>
+template <typename Rows, int TOKENS, typename Activations>
 __device__ __forceinline__ void stream_row(const typename Rows::Weight* row, int width, int count,
-                                           float (&sum)[kTokens], Activations activations) {
+                                           float (&sum)[TOKENS], Activations activations) {
 #pragma unroll
-    for (int t = 0; t < kTokens; ++t) sum[t] = 0.0f;
+    for (int t = 0; t < TOKENS; ++t) sum[t] = 0.0f;
     const int lane = threadIdx.x & 31;
 #pragma unroll 2
     for (int p = lane; p < Rows::pieces(width); p += 32) {
         const typename Rows::Piece w = Rows::load(row, p);
 #pragma unroll
-        for (int t = 0; t < kTokens; ++t) {
+        for (int t = 0; t < TOKENS; ++t) {
             if (t < count) {
                 float xv[Rows::kRuns][Rows::kRunLen];
                 load_activations<Rows>(activations(t), p, xv);

@@ -115,11 +115,12 @@ type Routed = Vec<(Vec<u32>, Vec<f32>)>;
 
 #[derive(Clone)]
 pub struct SparseMoe {
-    /// The router, the shared expert's gate and up projections and its
-    /// sigmoid gate: their outputs are the router logits, the shared
-    /// expert's gate | up, then its gate logit. Stacked into one projection
-    /// (one launch per step instead of three) when the host quantizes none
-    /// of them.
+    /// The shared expert's gate and up projections, the router and the
+    /// shared expert's sigmoid gate: their outputs are the shared expert's
+    /// gate | up, the router logits, then its gate logit. Stacked into one
+    /// projection (one launch per step) when the host quantizes none of
+    /// them; under ISQ the shared expert's (quantized) and the two kept in
+    /// full precision, adjacent, are two.
     input_proj: Projections,
     experts: Experts,
     shared_down: Projection,
@@ -173,9 +174,9 @@ impl SparseMoe {
         let input_proj = Projections::load(
             &mlp,
             &[
-                ProjectionSpec::full_precision("gate", hidden, cfg.num_experts),
                 ProjectionSpec::quantizable("shared_expert.gate_proj", hidden, shared_inter),
                 ProjectionSpec::quantizable("shared_expert.up_proj", hidden, shared_inter),
+                ProjectionSpec::full_precision("gate", hidden, cfg.num_experts),
                 ProjectionSpec::full_precision("shared_expert_gate", hidden, 1),
             ],
         )?;
@@ -238,8 +239,8 @@ impl SparseMoe {
         let flat = x.reshape((rows * seq_len, hidden))?;
         // Views of the stacked projection's columns (contiguous for one token).
         let projected = self.input_proj.forward(&flat)?;
-        let router_logits = projected.part(0)?;
-        let shared_gate_up = projected.span(1..3)?;
+        let shared_gate_up = projected.span(0..2)?;
+        let router_logits = projected.part(2)?;
         let shared_gate_logit = projected.part(3)?;
         let (weights, ids) =
             berrylm_kernels::moe_route(&router_logits, self.top_k, self.norm_topk_prob, dtype)?;

@@ -250,10 +250,15 @@ impl HostLayer {
         y.reshape(dims)
     }
 
+    /// The layer's weight (and bias) when the host holds it in GGUF blocks.
+    pub fn gguf_blocks(&self) -> Option<(Arc<QTensor>, Option<Tensor>)> {
+        self.layer.gguf_weight_bias()
+    }
+
     /// The layer's GGUF blocks (and bias) when it holds them on CUDA in a
     /// type BerryLM's kernels for quantized weights take (q8_0, q4_K).
     pub fn kernel_blocks(&self) -> Option<(Arc<QTensor>, Option<Tensor>)> {
-        self.layer.gguf_weight_bias().filter(|(blocks, _)| {
+        self.gguf_blocks().filter(|(blocks, _)| {
             blocks.device().is_cuda() && berrylm_kernels::takes_gguf_dtype(blocks.dtype())
         })
     }
