@@ -88,8 +88,9 @@ fn run() -> Result<bool> {
     let model = match args.isq {
         None => shape::build_model(&shape, args.dtype.candle(), &device)?,
         Some(isq) => {
-            let (model, quantization) =
-                shape::build_quantized_model(&shape, args.dtype.candle(), &device, isq)?;
+            let (model, quantization) = berrylm::driver::quantized_while_loading(isq, || {
+                shape::build_model(&shape, args.dtype.candle(), &device)
+            })?;
             println!("in-situ quantization to {isq:?}: {quantization}");
             println!(
                 "  (the decode floors below are of the unquantized weights; the weights now take \

@@ -5,11 +5,10 @@ use std::collections::HashMap;
 
 use anyhow::{Context, Result};
 use berrylm::model::BerryLm;
-use berrylm::quantization::{self, QuantizationReport};
 use berrylm::weights::Weights;
 use berrylm::BerryLmConfig;
 use candle_core::{DType, Device, Tensor};
-use mistralrs_quant::{IsqType, ShardedSafeTensors};
+use mistralrs_quant::ShardedSafeTensors;
 use serde_json::{json, Value};
 
 /// Every size of the model (spec section 1's symbols).
@@ -465,24 +464,6 @@ pub fn build_model(shape: &ModelShape, dtype: DType, device: &Device) -> Result<
     let vb = ShardedSafeTensors::wrap(Box::new(tensors), dtype, device.clone());
     let model = BerryLm::load(cfg, &Weights::new(vb), false).context("loading the random model")?;
     Ok(model)
-}
-
-/// [`build_model`] with the host's in-situ quantization to `isq` applied
-/// while loading, to the projections BerryLM lets it quantize (as `mistralrs
-/// serve --isq TYPE`); returns the model and what the host made of it.
-pub fn build_quantized_model(
-    shape: &ModelShape,
-    dtype: DType,
-    device: &Device,
-    isq: IsqType,
-) -> Result<(BerryLm, QuantizationReport)> {
-    mistralrs_quant::set_immediate_isq(Some(isq), quantization::quantizable_tensors()?);
-    let model = build_model(shape, dtype, device);
-    mistralrs_quant::clear_immediate_isq();
-    let mut model = model?;
-    let report = QuantizationReport::of(&mut model)?
-        .context("the host quantized none of the model's projections")?;
-    Ok((model, report))
 }
 
 #[cfg(test)]

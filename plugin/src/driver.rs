@@ -48,8 +48,18 @@ pub fn load_checkpoint_quantized(
     device: &Device,
     isq: IsqType,
 ) -> Result<(BerryLm, QuantizationReport)> {
+    quantized_while_loading(isq, || load_checkpoint(dir, dtype, device))
+}
+
+/// The model `load` returns, with the host's in-situ quantization to `isq`
+/// applied while it loads, to the projections the host quantizes by default;
+/// returns the model and what the host made of it.
+pub fn quantized_while_loading(
+    isq: IsqType,
+    load: impl FnOnce() -> Result<BerryLm>,
+) -> Result<(BerryLm, QuantizationReport)> {
     mistralrs_quant::set_immediate_isq(Some(isq), quantization::quantizable_tensors()?);
-    let model = load_checkpoint(dir, dtype, device);
+    let model = load();
     mistralrs_quant::clear_immediate_isq();
     let mut model = model?;
     let report = QuantizationReport::of(&mut model)?
