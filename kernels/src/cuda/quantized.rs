@@ -52,11 +52,11 @@ pub(super) fn blocks_address(weight: &QTensor) -> Result<*const c_void> {
 /// or a copy into storage of its own (`Tensor::copy` keeps the offset).
 pub(super) fn aligned16(tensor: &Tensor) -> Result<Tensor> {
     let offset_bytes = tensor.layout().start_offset() * tensor.dtype().size_in_bytes();
-    Ok(if tensor.is_contiguous() && offset_bytes % 16 == 0 {
-        tensor.clone()
+    if tensor.is_contiguous() && offset_bytes.is_multiple_of(16) {
+        Ok(tensor.clone())
     } else {
-        tensor.force_contiguous()?
-    })
+        Ok(tensor.force_contiguous()?)
+    }
 }
 
 /// CUDA `quantized_matmul`; arguments validated by the caller (`x`

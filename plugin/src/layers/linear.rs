@@ -108,7 +108,9 @@ impl Module for Linear {
         // reads pairs of elements, so a view (a column slice of a stacked
         // projection) must start at an even element.
         #[cfg(feature = "cuda")]
-        if mistralrs_quant::should_use_gemv(x, &self.weight) && x.layout().start_offset() % 2 == 0 {
+        if mistralrs_quant::should_use_gemv(x, &self.weight)
+            && x.layout().start_offset().is_multiple_of(2)
+        {
             return mistralrs_quant::gemv(x, &self.weight, self.bias.as_ref());
         }
         matmul_add(x, &self.weight.t()?, self.bias.as_ref())
