@@ -1,8 +1,9 @@
 // y = x W^T for a few rows of x (decode) and W in GGUF blocks: one warp per
 // output column j streams row j of W once per group of up to TOKENS rows of
 // x (1 for a single row, else kTokens), decoding its blocks on the fly
-// (weight_rows.cuh), and writes y[n, j] = round_x(the f32 dot product). One launch, x and y in the
-// activation dtype: no cast of x, no quantized copy of it, no f32 output.
+// (weight_rows.cuh), and writes y[n, j] = round_x(the f32 dot product). One
+// launch, x and y in the activation dtype: no cast of x, no quantized copy of
+// it, no f32 output.
 #include "common.cuh"
 #include "weight_rows.cuh"
 
@@ -10,6 +11,7 @@ namespace berrylm::quantized_matmul {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
+
 template <typename T, typename Rows, int TOKENS>
 __global__ void __launch_bounds__(kThreads)
     gemv_kernel(const T* __restrict__ x, const uint8_t* __restrict__ weight, T* __restrict__ y,

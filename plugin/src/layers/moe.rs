@@ -119,8 +119,8 @@ pub struct SparseMoe {
     /// shared expert's sigmoid gate: their outputs are the shared expert's
     /// gate | up, the router logits, then its gate logit. Stacked into one
     /// projection (one launch per step) when the host quantizes none of
-    /// them; under ISQ the shared expert's (quantized) and the two kept in
-    /// full precision, adjacent, are two.
+    /// them; under ISQ two: the shared expert's (quantized), then the two
+    /// kept in full precision, stacked.
     input_proj: Projections,
     experts: Experts,
     shared_down: Projection,
