@@ -89,6 +89,14 @@ __device__ __forceinline__ float byte_value(uint32_t word, float zero = 0.0f) {
            (kTwoPow23 + zero);
 }
 
+// The four bytes of `word` in order, each as byte_value.
+__device__ __forceinline__ void byte_values(uint32_t word, float zero, float* out) {
+    out[0] = byte_value<0>(word, zero);
+    out[1] = byte_value<1>(word, zero);
+    out[2] = byte_value<2>(word, zero);
+    out[3] = byte_value<3>(word, zero);
+}
+
 // The f16 in the low (HIGH = 0) or high half of `word`, in f32.
 template <int HIGH>
 __device__ __forceinline__ float half_value(uint32_t word) {
@@ -130,14 +138,8 @@ struct Q8_0Rows : GgufBlocks<32, 34> {
                               0x80808080u;
         Piece p;
         p.d = half_at(block);
-        p.q[0] = byte_value<0>(low, 128.0f);
-        p.q[1] = byte_value<1>(low, 128.0f);
-        p.q[2] = byte_value<2>(low, 128.0f);
-        p.q[3] = byte_value<3>(low, 128.0f);
-        p.q[4] = byte_value<0>(high, 128.0f);
-        p.q[5] = byte_value<1>(high, 128.0f);
-        p.q[6] = byte_value<2>(high, 128.0f);
-        p.q[7] = byte_value<3>(high, 128.0f);
+        byte_values(low, 128.0f, p.q);
+        byte_values(high, 128.0f, p.q + 4);
         return p;
     }
     __device__ static float accumulate(const Piece& p, const float (&x)[kRuns][kRunLen],
@@ -206,13 +208,11 @@ struct Q4KRows : GgufBlocks<256, 144> {
             const float offset = dmin * static_cast<float>(min);
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                const uint32_t word = nibbles[run][half];
-                const float values[4] = {byte_value<0>(word), byte_value<1>(word),
-                                         byte_value<2>(word), byte_value<3>(word)};
+                byte_values(nibbles[run][half], 0.0f, p.w[run] + 4 * half);
+            }
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    p.w[run][4 * half + i] = __fsub_rn(__fmul_rn(scaled, values[i]), offset);
-                }
+            for (int v = 0; v < kRunLen; ++v) {
+                p.w[run][v] = __fsub_rn(__fmul_rn(scaled, p.w[run][v]), offset);
             }
         }
         return p;

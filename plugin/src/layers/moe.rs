@@ -21,8 +21,8 @@
 //! into two layers that run on the routed ids where they lie, as the host's
 //! own MoE models do (decode steps in BerryLM's kernels for q8_0 and q4_K
 //! blocks, with the reference's rounding points); otherwise each expert's
-//! projections one by one, every expert run on its own tokens. The router and the shared expert's gate
-//! stay in full precision.
+//! projections one by one, every expert run on its own tokens. The router
+//! and the shared expert's gate stay in full precision.
 
 use std::collections::HashMap;
 use std::sync::Arc;
