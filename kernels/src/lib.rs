@@ -23,6 +23,7 @@
 //! | [`moe_experts_with`] | 3.7 step 3 | the same, with an explicit [`MoeExpertsAlgorithm`] for CUDA; a test and benchmark reference |
 //! | [`moe_experts_quantized`] | 3.7 step 3 | the same with experts quantized in GGUF blocks (q8_0, q4_K), for decode steps |
 //! | [`quantized_matmul`] | - | `x W^T` with `W` quantized in GGUF blocks (q8_0, q4_K), for decode steps |
+//! | [`quantized_matmul_with_dense`] | - | the same and `x D^T` with `D` in full precision, as one output (one launch on CUDA) |
 //! | [`swiglu`] | 3.7 step 3-4 | an expert's `silu(gate) * up` from its packed gate-then-up projection |
 //! | [`add_moe_output`] | 3.7 step 4-5 | the sigmoid-gated shared expert plus the routed output, added to the residual |
 //!
@@ -90,7 +91,7 @@ pub use gate_mul::sigmoid_gate_mul;
 pub use mlp::{add_moe_output, swiglu};
 pub use moe::{moe_experts, moe_experts_quantized, moe_experts_with, MoeExpertsAlgorithm};
 pub use norm::{add_offset_rms_norm, gated_rms_norm, offset_rms_norm};
-pub use quantized::{quantized_matmul, takes_gguf_dtype};
+pub use quantized::{quantized_matmul, quantized_matmul_with_dense, takes_gguf_dtype};
 pub use recurrence::{
     kda_recurrence, kda_recurrence_in_pool_with, kda_recurrence_with, KdaPrefillAlgorithm,
     StatePool,

@@ -4,7 +4,7 @@
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Tensor};
 
-use crate::{ensure, expect_same_device, float_dims, invalid_argument, Result};
+use crate::{ensure, expect_same_device, expect_same_dtype, float_dims, invalid_argument, Result};
 
 const OP: &str = "quantized_matmul";
 
@@ -48,7 +48,54 @@ pub fn quantized_matmul(x: &Tensor, weight: &QTensor) -> Result<Tensor> {
                 .matmul(&weight.t()?)?
                 .to_dtype(x.dtype())?)
         },
-        crate::cuda::quantized_matmul(x, weight),
+        crate::cuda::quantized_matmul(OP, x, weight, None),
+    )
+}
+
+const WITH_DENSE_OP: &str = "quantized_matmul_with_dense";
+
+/// [`quantized_matmul`] of `weight` followed by the product with `dense`, as
+/// one output: the quantized and the full-precision projections of one input
+/// (a model keeps some projections unquantized beside quantized ones):
+///
+/// ```text
+/// y = [quantized_matmul(x, W), round(x D^T)]    (f32 products and sums)
+/// ```
+///
+/// * `x`: `[N, in]`, any float dtype.
+/// * `weight`: `[out, in]` of a type [`takes_gguf_dtype`] takes, on the
+///   device of `x`.
+/// * `dense`: `[dense_out, in]` in the dtype of `x`, on its device.
+///
+/// Returns `[N, out + dense_out]` in the dtype of `x`. On CUDA one launch
+/// computes both (each weight row streamed once per group of up to 8 rows of
+/// `x`), where two would; the CPU reference runs the two products.
+pub fn quantized_matmul_with_dense(x: &Tensor, weight: &QTensor, dense: &Tensor) -> Result<Tensor> {
+    let [_, in_dim] = float_dims::<2>(WITH_DENSE_OP, "x", x)?;
+    let [_, weight_in] = gguf_dims::<2>(WITH_DENSE_OP, "weight", weight)?;
+    ensure(weight_in == in_dim, WITH_DENSE_OP, "weight", || {
+        format!("{weight_in} columns for inputs of width {in_dim}")
+    })?;
+    let [_, dense_in] = float_dims::<2>(WITH_DENSE_OP, "dense", dense)?;
+    ensure(dense_in == in_dim, WITH_DENSE_OP, "dense", || {
+        format!("{dense_in} columns for inputs of width {in_dim}")
+    })?;
+    expect_same_dtype(WITH_DENSE_OP, "dense", dense, x.dtype(), "the dtype of `x`")?;
+    let device = x.device();
+    expect_same_device(WITH_DENSE_OP, "weight", &weight.device(), device)?;
+    expect_same_device(WITH_DENSE_OP, "dense", dense.device(), device)?;
+    on_device!(
+        WITH_DENSE_OP,
+        device,
+        {
+            let quantized = quantized_matmul(x, weight)?;
+            let full = x
+                .to_dtype(DType::F32)?
+                .matmul(&dense.to_dtype(DType::F32)?.t()?)?
+                .to_dtype(x.dtype())?;
+            Ok(Tensor::cat(&[quantized, full], 1)?)
+        },
+        crate::cuda::quantized_matmul(WITH_DENSE_OP, x, weight, Some(dense)),
     )
 }
 
@@ -114,6 +161,41 @@ mod tests {
                 .to_scalar::<f32>()?;
             assert_eq!(difference, 0.0, "{dtype:?}");
         }
+        Ok(())
+    }
+
+    /// Exact q8_0 blocks (every block scale 1) and two full-precision rows:
+    /// one output, the product with both weights stacked.
+    #[test]
+    fn dense_rows_follow_the_quantized_ones_in_one_output() -> Result<()> {
+        let (out_dim, in_dim) = (3, 64);
+        let values: Vec<f32> = (0..out_dim * in_dim)
+            .map(|i| match i % 32 {
+                0 => 127.0,
+                1 => -127.0,
+                k => ((k * 29 + i / 32 * 7) % 255) as f32 - 127.0,
+            })
+            .collect();
+        let weight = Tensor::from_vec(values, (out_dim, in_dim), &Device::Cpu)?;
+        let blocks = QTensor::quantize(&weight, GgmlDType::Q8_0)?;
+        let dense = Tensor::arange(0f32, (2 * in_dim) as f32, &Device::Cpu)?
+            .affine(0.5, -20.0)?
+            .reshape((2, in_dim))?;
+        let x = Tensor::arange(0f32, (2 * in_dim) as f32, &Device::Cpu)?
+            .affine(1.0 / 64.0, -1.0)?
+            .reshape((2, in_dim))?;
+        let expected = x.matmul(&Tensor::cat(&[&weight, &dense], 0)?.t()?)?;
+        let got = quantized_matmul_with_dense(&x, &blocks, &dense)?;
+        assert_eq!(got.dims(), &[2, out_dim + 2]);
+        let difference = (got - expected)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert_eq!(difference, 0.0);
+        let error = quantized_matmul_with_dense(&x, &blocks, &dense.narrow(1, 0, 32)?)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("`dense`") && error.contains("32 columns"),
+            "{error}"
+        );
         Ok(())
     }
 

@@ -20,10 +20,12 @@ extern "C" {
         format: c_int,
         x: *const c_void,
         weight: *const c_void,
+        dense: *const c_void,
         y: *mut c_void,
         tokens: c_int,
         in_dim: c_int,
-        out_dim: c_int,
+        quantized_rows: c_int,
+        dense_rows: c_int,
         stream: *mut c_void,
     ) -> c_int;
 }
@@ -59,22 +61,52 @@ pub(super) fn aligned16(tensor: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// CUDA `quantized_matmul`; arguments validated by the caller (`x`
-/// `[tokens, in_dim]`, `weight` `[out_dim, in_dim]` of a type the kernels
-/// take, on the device of `x`).
-pub(crate) fn quantized_matmul(x: &Tensor, weight: &QTensor) -> Result<Tensor> {
-    const OP: &str = "quantized_matmul";
+/// CUDA `quantized_matmul` (with `dense` rows after the quantized ones);
+/// arguments validated by the caller (`x` `[tokens, in_dim]`, `weight`
+/// `[quantized_rows, in_dim]` of a type the kernels take, `dense`
+/// `[dense_rows, in_dim]` in the dtype of `x`, all on the device of `x`).
+pub(crate) fn quantized_matmul(
+    op: &'static str,
+    x: &Tensor,
+    weight: &QTensor,
+    dense: Option<&Tensor>,
+) -> Result<Tensor> {
     let (tokens, in_dim) = x.dims2()?;
-    let (out_dim, _) = weight.shape().dims2()?;
-    let format = gguf_code(OP, "weight", weight.dtype())?;
+    let (quantized_rows, _) = weight.shape().dims2()?;
+    let format = gguf_code(op, "weight", weight.dtype())?;
     let blocks = blocks_address(weight)?;
-    let mut launch = Launch::new(OP, x)?;
+    let mut launch = Launch::new(op, x)?;
     let x = launch.input("x", &aligned16(x)?)?;
     let dtype = launch.dtype(x);
-    let y = launch.output(&[tokens, out_dim], dtype)?;
-    let outputs = run_kernel!(launch => berrylm_quantized_matmul(
-        dtype(dtype), format, input(x), blocks, output(y),
-        c_size(OP, "x", tokens)?, c_size(OP, "x", in_dim)?, c_size(OP, "weight", out_dim)?
-    ))?;
+    let (dense, dense_rows) = match dense {
+        Some(dense) => {
+            let rows = dense.dims2()?.0;
+            (Some(launch.input("dense", dense)?), rows)
+        }
+        None => (None, 0),
+    };
+    let y = launch.output(&[tokens, quantized_rows + dense_rows], dtype)?;
+    let outputs = launch.run(|p| {
+        // SAFETY: `x` is contiguous `[tokens, in_dim]` and 16-byte aligned,
+        // `blocks` the `[quantized_rows, in_dim]` weight's blocks (held by
+        // the caller), `dense` contiguous `[dense_rows, in_dim]` (or null
+        // with no rows), `y` freshly allocated `[tokens, quantized_rows +
+        // dense_rows]`; all on candle's stream.
+        Ok(unsafe {
+            berrylm_quantized_matmul(
+                dtype_code(op, dtype)?,
+                format,
+                p.input(x),
+                blocks,
+                dense.map_or(std::ptr::null(), |dense| p.input(dense)),
+                p.output(y),
+                c_size(op, "x", tokens)?,
+                c_size(op, "x", in_dim)?,
+                c_size(op, "weight", quantized_rows)?,
+                c_size(op, "dense", dense_rows)?,
+                p.stream(),
+            )
+        })
+    })?;
     Ok(outputs.tensor(y))
 }

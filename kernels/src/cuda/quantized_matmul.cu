@@ -1,9 +1,12 @@
-// y = x W^T for a few rows of x (decode) and W in GGUF blocks: one warp per
-// output column j streams row j of W once per group of up to TOKENS rows of
-// x (1 for a single row, else kTokens), decoding its blocks on the fly
-// (weight_rows.cuh), and writes y[n, j] = round_x(the f32 dot product). One
-// launch, x and y in the activation dtype: no cast of x, no quantized copy of
-// it, no f32 output.
+// y = x [W; D]^T for a few rows of x (decode): W [quantized_rows, in] in GGUF
+// blocks, then D [dense_rows, in] in the activation dtype (none when
+// dense_rows is 0): the full-precision projections of the same input, which
+// a model keeps unquantized beside the quantized ones, in the same launch.
+// One warp per output column j streams its weight row once per group of up
+// to TOKENS rows of x (1 for a single row, else kTokens), decoding blocks on
+// the fly (weight_rows.cuh), and writes y[n, j] = round_x(the f32 dot
+// product). x and y in the activation dtype: no cast of x, no quantized copy
+// of it, no f32 output.
 #include "common.cuh"
 #include "weight_rows.cuh"
 
@@ -12,14 +15,11 @@ namespace berrylm::quantized_matmul {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
+// Column j of y: `row` (in the format `Rows`) against every row of x.
 template <typename T, typename Rows, int TOKENS>
-__global__ void __launch_bounds__(kThreads)
-    gemv_kernel(const T* __restrict__ x, const uint8_t* __restrict__ weight, T* __restrict__ y,
-                int tokens, int in_dim, int out_dim) {
+__device__ __forceinline__ void write_column(const typename Rows::Weight* row, const T* x, T* y,
+                                             int tokens, int in_dim, int out_dim, int j) {
     const int lane = threadIdx.x & 31;
-    const int j = blockIdx.x * kWarps + (threadIdx.x >> 5);
-    if (j >= out_dim) return;
-    const uint8_t* row = Rows::row(weight, j, in_dim);
     for (int t0 = 0; t0 < tokens; t0 += TOKENS) {
         const int count = min(TOKENS, tokens - t0);
         float sum[TOKENS];
@@ -38,30 +38,67 @@ __global__ void __launch_bounds__(kThreads)
     }
 }
 
+template <typename T, typename Rows, typename Dense, int TOKENS>
+__global__ void __launch_bounds__(kThreads)
+    gemv_kernel(const T* __restrict__ x, const uint8_t* __restrict__ weight,
+                const T* __restrict__ dense, T* __restrict__ y, int tokens, int in_dim,
+                int quantized_rows, int out_dim) {
+    const int j = blockIdx.x * kWarps + (threadIdx.x >> 5);
+    if (j >= out_dim) return;
+    if (j < quantized_rows) {
+        write_column<T, Rows, TOKENS>(Rows::row(weight, j, in_dim), x, y, tokens, in_dim,
+                                      out_dim, j);
+    } else {
+        write_column<T, Dense, TOKENS>(Dense::row(dense, j - quantized_rows, in_dim), x, y,
+                                       tokens, in_dim, out_dim, j);
+    }
+}
+
+template <typename T, typename Rows, typename Dense>
+void launch(const T* x, const uint8_t* weight, const T* dense, T* y, int tokens, int in_dim,
+            int quantized_rows, int out_dim, cudaStream_t stream) {
+    const unsigned int blocks = static_cast<unsigned int>((out_dim + kWarps - 1) / kWarps);
+    berrylm::rows::with_group_size(tokens, [&](auto group) {
+        gemv_kernel<T, Rows, Dense, decltype(group)::value><<<blocks, kThreads, 0, stream>>>(
+            x, weight, dense, y, tokens, in_dim, quantized_rows, out_dim);
+    });
+}
+
 }  // namespace berrylm::quantized_matmul
 
 using namespace berrylm::quantized_matmul;
 
-// `x` [tokens, in_dim] (16-byte aligned), `weight` [out_dim, in_dim] in GGUF
-// blocks of the format `format` (`GgufCode`; in_dim a multiple of its block),
-// `y` [tokens, out_dim].
+// `x` [tokens, in_dim] (16-byte aligned), `weight` [quantized_rows, in_dim]
+// in GGUF blocks of the format `format` (`GgufCode`; in_dim a multiple of its
+// block), `dense` [dense_rows, in_dim] contiguous in the dtype of x (ignored
+// when dense_rows is 0), `y` [tokens, quantized_rows + dense_rows].
 extern "C" int berrylm_quantized_matmul(int dtype, int format, const void* x, const void* weight,
-                                        void* y, int tokens, int in_dim, int out_dim,
-                                        void* stream) {
+                                        const void* dense, void* y, int tokens, int in_dim,
+                                        int quantized_rows, int dense_rows, void* stream) {
+    const long long out_dim = static_cast<long long>(quantized_rows) + dense_rows;
     if (tokens == 0 || out_dim == 0) return 0;
-    if (in_dim <= 0 || (reinterpret_cast<uintptr_t>(x) & 15u) != 0) {
+    if (in_dim <= 0 || quantized_rows < 0 || dense_rows < 0 || out_dim > INT_MAX ||
+        (reinterpret_cast<uintptr_t>(x) & 15u) != 0) {
         return static_cast<int>(cudaErrorInvalidValue);
     }
     cudaStream_t s = static_cast<cudaStream_t>(stream);
-    const unsigned int blocks = static_cast<unsigned int>((out_dim + kWarps - 1) / kWarps);
     BERRYLM_DISPATCH_DTYPE(dtype, T, {
+        constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+        const bool vectorized =
+            in_dim % kVec == 0 && (reinterpret_cast<uintptr_t>(dense) & 15u) == 0;
         BERRYLM_DISPATCH_GGUF(format, Rows, {
             if (in_dim % Rows::kBlockWeights != 0) return static_cast<int>(cudaErrorInvalidValue);
-            berrylm::rows::with_group_size(tokens, [&](auto group) {
-                gemv_kernel<T, Rows, decltype(group)::value><<<blocks, kThreads, 0, s>>>(
-                    static_cast<const T*>(x), static_cast<const uint8_t*>(weight),
-                    static_cast<T*>(y), tokens, in_dim, out_dim);
-            });
+            const auto* xp = static_cast<const T*>(x);
+            const auto* wp = static_cast<const uint8_t*>(weight);
+            const auto* dp = static_cast<const T*>(dense);
+            auto* yp = static_cast<T*>(y);
+            if (vectorized) {
+                launch<T, Rows, berrylm::rows::DenseRows<T, kVec>>(
+                    xp, wp, dp, yp, tokens, in_dim, quantized_rows, static_cast<int>(out_dim), s);
+            } else {
+                launch<T, Rows, berrylm::rows::DenseRows<T, 1>>(
+                    xp, wp, dp, yp, tokens, in_dim, quantized_rows, static_cast<int>(out_dim), s);
+            }
             return berrylm::launch_status();
         });
     });

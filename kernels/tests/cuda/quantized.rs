@@ -1,12 +1,14 @@
 //! The kernels for weights in GGUF blocks (`quantized_matmul`,
-//! `moe_experts_quantized`) on CUDA against their CPU references, which
+//! `quantized_matmul_with_dense`, `moe_experts_quantized`) on CUDA against their CPU references, which
 //! dequantize the same blocks with candle: q8_0 and q4_K, every activation
 //! dtype, decode batches of one to more than one group of 8 rows, BerryLM-OS
 //! widths and small ones.
 
 use std::borrow::Cow;
 
-use berrylm_kernels::{moe_experts_quantized, quantized_matmul, Result};
+use berrylm_kernels::{
+    moe_experts_quantized, quantized_matmul, quantized_matmul_with_dense, Result,
+};
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::DType;
 
@@ -75,6 +77,52 @@ fn quantized_matmul_matches_cpu() -> Result<()> {
             for tokens in [1, 3, 8, 13] {
                 for dims in [[1024, HIDDEN], [13, 256], [5, 512]] {
                     matmul_case(seed, tokens, dims, format, dtype)?;
+                    seed += 1;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn with_dense_case(
+    seed: u64,
+    tokens: usize,
+    dims: [usize; 3],
+    format: GgmlDType,
+    dtype: DType,
+) -> Result<()> {
+    let [out_dim, dense_out, in_dim] = dims;
+    let rng = &mut Rng::new(seed);
+    let x = random(rng, &[tokens, in_dim], -2.0, 2.0, dtype)?;
+    let weight = quantized(rng, &[out_dim, in_dim], format)?;
+    let dense = random(rng, &[dense_out, in_dim], -0.05, 0.05, dtype)?;
+    let cpu = quantized_matmul_with_dense(&x, &weight, &dense)?;
+    let dev = gpu();
+    let cuda = quantized_matmul_with_dense(
+        &to_gpu(&x, &dev)?,
+        &quantized_to_gpu(&weight)?,
+        &to_gpu(&dense, &dev)?,
+    )?;
+    let what = format!(
+        "quantized_matmul_with_dense N={tokens} [{out_dim} + {dense_out}, {in_dim}] {format:?} {dtype:?}"
+    );
+    within(&what, &cuda, &cpu, tolerance(dtype))?;
+    Ok(())
+}
+
+/// BerryLM-OS's groups: KDA's q|k|v|z quantized with β and the forget gate's
+/// down projection (32 + 128 rows) in full precision, the shared expert's
+/// gate|up with the router and the shared expert's gate (128 + 1 rows,
+/// padded to 136); and small widths, at batches 1, 5 and 11.
+#[test]
+fn quantized_matmul_with_dense_matches_cpu() -> Result<()> {
+    let mut seed = 3200;
+    for format in FORMATS {
+        for dtype in ALL_DTYPES {
+            for tokens in [1, 5, 11] {
+                for dims in [[1536, 160, HIDDEN], [1024, 136, HIDDEN], [7, 3, 256]] {
+                    with_dense_case(seed, tokens, dims, format, dtype)?;
                     seed += 1;
                 }
             }

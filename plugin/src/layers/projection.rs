@@ -436,15 +436,55 @@ impl Projections {
 
     /// Every projection of `x` `[..., in]`.
     pub fn forward(&self, x: &Tensor) -> Result<Projected<'_>> {
-        let outputs = self
-            .segments
-            .iter()
-            .map(|segment| segment.forward(x))
-            .collect::<Result<Vec<_>>>()?;
+        let outputs = match self.quantized_with_dense(x)? {
+            Some(outputs) => outputs,
+            None => self
+                .segments
+                .iter()
+                .map(|segment| segment.forward(x))
+                .collect::<Result<Vec<_>>>()?,
+        };
         Ok(Projected {
             outputs,
             places: &self.places,
         })
+    }
+
+    /// A group of quantized projections followed by full-precision ones (KDA's
+    /// `q|k|v|z` then β and the forget gate's down projection, the shared
+    /// expert's `gate|up` then the router and its gate, under ISQ) computed
+    /// in one launch for a decode step on CUDA, as a bf16 group is: the two
+    /// segments' outputs as views of one tensor. `None` when the group is not
+    /// such a pair, the host layer's blocks are not the kernels' or `x` has
+    /// more rows than the quantized GEMV takes.
+    fn quantized_with_dense(&self, x: &Tensor) -> Result<Option<Vec<SegmentOutput>>> {
+        let [Segment::Host { layer, .. }, Segment::Stacked { linear, .. }] =
+            self.segments.as_slice()
+        else {
+            return Ok(None);
+        };
+        let dense = linear.weight();
+        if rows(x) > QUANTIZED_GEMV_MAX_ROWS
+            || linear.bias().is_some()
+            || dense.dtype() != x.dtype()
+        {
+            return Ok(None);
+        }
+        let Some((blocks, None)) = layer.kernel_blocks() else {
+            return Ok(None);
+        };
+        let flat = x.flatten_to(x.rank() - 2)?;
+        let y = berrylm_kernels::quantized_matmul_with_dense(&flat, &blocks, dense)?;
+        let (quantized_width, dense_width) = (layer.out_dim, linear.out_dim());
+        let mut dims = x.dims().to_vec();
+        if let Some(last) = dims.last_mut() {
+            *last = quantized_width + dense_width;
+        }
+        let y = y.reshape(dims)?;
+        Ok(Some(vec![
+            SegmentOutput::Joint(y.narrow(D::Minus1, 0, quantized_width)?),
+            SegmentOutput::Joint(y.narrow(D::Minus1, quantized_width, dense_width)?),
+        ]))
     }
 
     /// The host layers, in order.
