@@ -29,17 +29,22 @@ const OP: &str = "causal_attention";
 /// scaling of an `f16` tensor does so); in `bf16` the product is computed in
 /// f32 and rounded once (the plugin's widened CPU scaling).
 ///
-/// * `q`: `[B, Hq, T, D]`, any layout (made contiguous first on CUDA).
+/// * `q`: `[B, Hq, T, D]`, any layout.
 /// * `k`, `v`: `[B, Hkv, L, D]` in the dtype of `q`, with `Hq % Hkv == 0`
-///   and `L >= T`. On CUDA they are read in place when their last dimension
-///   is contiguous and every other stride (batch, head, position) and the
-///   first element's offset are multiples of 8 elements (16 bytes), e.g.
-///   views of a larger key/value cache narrowed along `L`; other layouts are
-///   copied to contiguous tensors first.
+///   and `L >= T`.
 /// * `softmax_scale`: the factor of the scores, usually `1 / sqrt(D)`;
 ///   finite.
 ///
-/// Returns a contiguous `[B, Hq, T, D]` in the dtype of `q`.
+/// On CUDA `q`, `k` and `v` are read in place when their last dimension is
+/// contiguous and every other stride (batch, head, position) and the first
+/// element's offset are multiples of 8 elements (16 bytes), e.g. the
+/// token-major view `x.transpose(1, 2)` of a projection's `[B, T, H, D]` or
+/// views of a larger key/value cache narrowed along `L`; other layouts are
+/// copied to contiguous tensors first.
+///
+/// Returns `[B, Hq, T, D]` in the dtype of `q`: contiguous on the CPU; on
+/// CUDA a view of token-major storage (`[B, T, Hq, D]` contiguous), so its
+/// `transpose(1, 2)` is contiguous.
 ///
 /// On CUDA, `bf16` and `f16` inputs with `D` of 64, 128 or 256 run a tiled
 /// FlashAttention-2-style kernel on tensor cores (`mma.sync` m16n8k16, f32

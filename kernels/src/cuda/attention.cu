@@ -3,9 +3,12 @@
 //   o_i = sum_j softmax_j(scale * q_i . k_j) v_j      j <= prefix + i
 //
 // for the T queries at the last T positions of L keys (prefix = L - T),
-// query head h reading key/value head h / (Hq / Hkv). q and o are contiguous
-// [B, Hq, T, D]; k and v are [B, Hkv, L, D] with a contiguous last dimension
-// and arbitrary batch, head and position strides (views of a larger cache).
+// query head h reading key/value head h / (Hq / Hkv). q and o are
+// [B, Hq, T, D] and k and v [B, Hkv, L, D], each with a contiguous last
+// dimension and its own batch, head and position strides: token-major rows
+// ([B, T, H, D] in memory, as the projections write them and the output
+// projection reads them) or head-major ones, and k and v views of a larger
+// cache.
 //
 // Two kernels:
 //
@@ -34,6 +37,14 @@ namespace berrylm::attention {
 
 using namespace berrylm::mma;
 
+// A rank-4 operand's strides in elements (its last dimension contiguous).
+struct Strides {
+    long long batch, head, row;
+    __device__ long long at(int b, int h, long long r) const {
+        return b * batch + h * head + r * row;
+    }
+};
+
 struct Params {
     const void* q;
     const void* k;
@@ -44,8 +55,7 @@ struct Params {
     int queries;
     int keys;
     int head_dim;
-    long long k_batch_stride, k_head_stride, k_row_stride;
-    long long v_batch_stride, v_head_stride, v_row_stride;
+    Strides q_strides, k_strides, v_strides, out_strides;
     // softmax_scale * log2(e): the kernels exponentiate with exp2f.
     float scale_log2;
 };
@@ -100,18 +110,18 @@ __global__ void __launch_bounds__(kThreads, 1) flash_kernel(const Params p) {
     const int group = lane / 4;   // the fragment row of this lane
     const int quad = lane % 4;    // the fragment column pair of this lane
 
-    const long long q_offset =
-        ((static_cast<long long>(batch) * p.heads + head) * p.queries + m0) * D;
-    const T* q = static_cast<const T*>(p.q) + q_offset;
-    const T* k = static_cast<const T*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
-    const T* v = static_cast<const T*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride;
+    const T* q = static_cast<const T*>(p.q) + p.q_strides.at(batch, head, m0);
+    const T* k = static_cast<const T*>(p.k) + p.k_strides.at(batch, kv_head, 0);
+    const T* v = static_cast<const T*>(p.v) + p.v_strides.at(batch, kv_head, 0);
+    const long long k_row = p.k_strides.row;
+    const long long v_row = p.v_strides.row;
 
     // Keys any query of the tile sees: 0 .. prefix + m0 + kBlockM - 1.
     const int key_end = min(p.keys, prefix + m0 + kBlockM);
     const int tiles = (key_end + kBlockN - 1) / kBlockN;
 
-    load_tile<T, D, kBlockM>(s_q, q, D, p.queries - m0);
-    load_tile<T, D, kBlockN>(s_k, k, p.k_row_stride, key_end);
+    load_tile<T, D, kBlockM>(s_q, q, p.q_strides.row, p.queries - m0);
+    load_tile<T, D, kBlockN>(s_k, k, k_row, key_end);
     cp_async_commit();
 
     float o[D / 8][4] = {};
@@ -125,7 +135,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_kernel(const Params p) {
 
     for (int t = 0; t < tiles; ++t) {
         const int n0 = t * kBlockN;
-        load_tile<T, D, kBlockN>(s_v, v + n0 * p.v_row_stride, p.v_row_stride, key_end - n0);
+        load_tile<T, D, kBlockN>(s_v, v + n0 * v_row, v_row, key_end - n0);
         cp_async_commit();
         cp_async_wait<1>();  // Q and this K tile
         __syncthreads();
@@ -149,8 +159,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_kernel(const Params p) {
         __syncthreads();  // every warp is done with s_k
         if (t + 1 < tiles) {
             const int next = n0 + kBlockN;
-            load_tile<T, D, kBlockN>(s_k, k + next * p.k_row_stride, p.k_row_stride,
-                                     key_end - next);
+            load_tile<T, D, kBlockN>(s_k, k + next * k_row, k_row, key_end - next);
         }
         cp_async_commit();
 
@@ -222,7 +231,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_kernel(const Params p) {
     cp_async_wait<0>();
 
     // o / sum, rounded to T; rows past the queries are not written.
-    T* out = static_cast<T*>(p.out) + q_offset;
+    T* out = static_cast<T*>(p.out) + p.out_strides.at(batch, head, m0);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float sum = row_sum[r];
@@ -234,8 +243,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_kernel(const Params p) {
 #pragma unroll
         for (int db = 0; db < D / 8; ++db) {
             const unsigned pair = pack2<T>(o[db][2 * r] * inv, o[db][2 * r + 1] * inv);
-            *reinterpret_cast<unsigned*>(out + static_cast<long long>(row) * D + db * 8 +
-                                         quad * 2) = pair;
+            *reinterpret_cast<unsigned*>(out + row * p.out_strides.row + db * 8 + quad * 2) =
+                pair;
         }
     }
 }
@@ -263,10 +272,9 @@ template <typename T> __global__ void scalar_kernel(const Params p) {
     if (query >= p.queries) return;
     const int D = p.head_dim;
     const int kv_head = head / (p.heads / p.kv_heads);
-    const long long row = (static_cast<long long>(batch) * p.heads + head) * p.queries + query;
-    const T* q = static_cast<const T*>(p.q) + row * D;
-    const T* k = static_cast<const T*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
-    const T* v = static_cast<const T*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride;
+    const T* q = static_cast<const T*>(p.q) + p.q_strides.at(batch, head, query);
+    const T* k = static_cast<const T*>(p.k) + p.k_strides.at(batch, kv_head, 0);
+    const T* v = static_cast<const T*>(p.v) + p.v_strides.at(batch, kv_head, 0);
 
     float qr[kMaxPerLane], acc[kMaxPerLane];
 #pragma unroll
@@ -278,7 +286,7 @@ template <typename T> __global__ void scalar_kernel(const Params p) {
     float max = -INFINITY, sum = 0.0f;
     const int last = p.keys - p.queries + query;
     for (int j = 0; j <= last; ++j) {
-        const T* key = k + j * p.k_row_stride;
+        const T* key = k + j * p.k_strides.row;
         float dot = 0.0f;
 #pragma unroll
         for (int i = 0; i < kMaxPerLane; ++i) {
@@ -291,14 +299,14 @@ template <typename T> __global__ void scalar_kernel(const Params p) {
         const float weight = exp2f(score - new_max);
         max = new_max;
         sum = sum * rescale + weight;
-        const T* value = v + j * p.v_row_stride;
+        const T* value = v + j * p.v_strides.row;
 #pragma unroll
         for (int i = 0; i < kMaxPerLane; ++i) {
             const int d = lane + 32 * i;
             if (d < D) acc[i] = acc[i] * rescale + weight * to_f32(value[d]);
         }
     }
-    T* out = static_cast<T*>(p.out) + row * D;
+    T* out = static_cast<T*>(p.out) + p.out_strides.at(batch, head, query);
 #pragma unroll
     for (int i = 0; i < kMaxPerLane; ++i) {
         const int d = lane + 32 * i;
@@ -310,18 +318,20 @@ template <typename T> __global__ void scalar_kernel(const Params p) {
 
 using namespace berrylm::attention;
 
+// Each of q, k, v and out comes with its batch, head and row strides in
+// elements (`*_strides[3]`); rows are contiguous.
 extern "C" int berrylm_causal_attention(int dtype, const void* q, const void* k, const void* v,
                                         void* out, int batch, int heads, int kv_heads,
                                         int queries, int keys, int head_dim,
-                                        long long k_batch_stride, long long k_head_stride,
-                                        long long k_row_stride, long long v_batch_stride,
-                                        long long v_head_stride, long long v_row_stride,
+                                        const long long* q_strides, const long long* k_strides,
+                                        const long long* v_strides, const long long* out_strides,
                                         float softmax_scale, void* stream) {
     if (batch == 0 || heads == 0 || queries == 0 || head_dim == 0) return 0;
     if (kv_heads <= 0 || heads % kv_heads != 0 || keys < queries || head_dim > 32 * kMaxPerLane ||
         heads > 65535 || batch > 65535) {
         return static_cast<int>(cudaErrorInvalidValue);
     }
+    const auto strides = [](const long long* s) { return Strides{s[0], s[1], s[2]}; };
     const Params p{q,
                    k,
                    v,
@@ -331,12 +341,10 @@ extern "C" int berrylm_causal_attention(int dtype, const void* q, const void* k,
                    queries,
                    keys,
                    head_dim,
-                   k_batch_stride,
-                   k_head_stride,
-                   k_row_stride,
-                   v_batch_stride,
-                   v_head_stride,
-                   v_row_stride,
+                   strides(q_strides),
+                   strides(k_strides),
+                   strides(v_strides),
+                   strides(out_strides),
                    softmax_scale * kLog2e};
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     if (dtype == berrylm::kBF16 || dtype == berrylm::kF16) {

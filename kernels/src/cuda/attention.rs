@@ -1,10 +1,13 @@
 //! Binding of `attention.cu`: causal grouped-query attention over a prompt.
 //!
-//! `k` and `v` are read in place when their layout allows it (a contiguous
-//! last dimension, 16-byte aligned rows: the views of a larger key/value
-//! cache narrowed along the positions), the kernel getting their batch, head
-//! and position strides; other layouts, and a `q` that is not contiguous and
-//! aligned, are copied to fresh contiguous tensors first.
+//! `q`, `k` and `v` are read in place when their layout allows it (a
+//! contiguous last dimension, 16-byte aligned rows: token-major views of the
+//! projections, views of a larger key/value cache narrowed along the
+//! positions), the kernel getting their batch, head and position strides;
+//! other layouts are copied to fresh contiguous tensors first. The output is
+//! written token-major (`[B, T, Hq, D]` in memory) and returned as its
+//! `[B, Hq, T, D]` view, so that transposing it back to token order for the
+//! output projection copies nothing.
 
 use std::ffi::{c_int, c_void};
 
@@ -27,12 +30,10 @@ extern "C" {
         queries: c_int,
         keys: c_int,
         head_dim: c_int,
-        k_batch_stride: i64,
-        k_head_stride: i64,
-        k_row_stride: i64,
-        v_batch_stride: i64,
-        v_head_stride: i64,
-        v_row_stride: i64,
+        q_strides: *const i64,
+        k_strides: *const i64,
+        v_strides: *const i64,
+        out_strides: *const i64,
         softmax_scale: f32,
         stream: *mut c_void,
     ) -> c_int;
@@ -59,20 +60,21 @@ impl CausalAttentionArgs<'_> {
             ));
         }
         let mut launch = Launch::new(OP, self.q)?;
-        let q = if self.q.is_contiguous() && self.q.layout().start_offset().is_multiple_of(ALIGN) {
-            launch.push_input("q", self.q.clone())?
-        } else {
-            launch.push_input("q", self.q.force_contiguous()?)?
-        };
+        let (q, q_strides) = strided_input(&mut launch, "q", self.q)?;
         let (k, k_strides) = strided_input(&mut launch, "k", self.k)?;
         let (v, v_strides) = strided_input(&mut launch, "v", self.v)?;
         let dtype = launch.dtype(q);
-        let out = launch.output((self.batch, self.heads, self.queries, head_dim), dtype)?;
+        let (batch, heads, queries) = (self.batch, self.heads, self.queries);
+        let out = launch.output((batch, queries, heads, head_dim), dtype)?;
+        let out_strides =
+            [queries * heads * head_dim, head_dim, heads * head_dim].map(|s| s as i64);
         let outputs = launch.run(|p| {
-            // SAFETY: `q` is contiguous `[batch, heads, queries, head_dim]` and
-            // `out` freshly allocated of that shape; `k` and `v` span
-            // `[batch, kv_heads, keys, head_dim]` at the strides given from their
-            // first elements; all of one dtype, on candle's stream.
+            // SAFETY: `q` spans `[batch, heads, queries, head_dim]`, `k` and
+            // `v` `[batch, kv_heads, keys, head_dim]` at the strides given from
+            // their first elements; `out` is freshly allocated
+            // `[batch, queries, heads, head_dim]`, written at `out_strides`
+            // (batch, head, query); all of one dtype, on candle's stream; the
+            // stride arrays outlive the call.
             Ok(unsafe {
                 berrylm_causal_attention(
                     dtype_code(OP, dtype)?,
@@ -86,18 +88,16 @@ impl CausalAttentionArgs<'_> {
                     c_size(OP, "q", self.queries)?,
                     c_size(OP, "k", self.keys)?,
                     c_size(OP, "q", head_dim)?,
-                    k_strides[0],
-                    k_strides[1],
-                    k_strides[2],
-                    v_strides[0],
-                    v_strides[1],
-                    v_strides[2],
+                    q_strides.as_ptr(),
+                    k_strides.as_ptr(),
+                    v_strides.as_ptr(),
+                    out_strides.as_ptr(),
                     self.softmax_scale,
                     p.stream(),
                 )
             })
         })?;
-        Ok(outputs.tensor(out))
+        Ok(outputs.tensor(out).transpose(1, 2)?)
     }
 }
 

@@ -27,23 +27,26 @@ fn max_error(cuda: &Tensor, reference: &Tensor) -> Result<(f32, f32)> {
 }
 
 /// Runs one case, its inputs drawn from `Rng::new(seed)`: q and k uniform in
-/// [-2, 2), v in [-1, 1), all in `dtype`; k and v live in a cache of
-/// `capacity` positions narrowed to the first L (read in place on the GPU). Asserts the CUDA result within `tol` (times
-/// the largest |v|, 1) of the f32 CPU reference and prints the errors
-/// against it and against the CPU reference in `dtype`.
+/// [-2, 2), v in [-1, 1), all in `dtype`; q lives token-major
+/// (`[B, T, Hq, D]`, the projections' layout) and k and v in a cache of
+/// `capacity` positions narrowed to the first L (all read in place on the
+/// GPU). Asserts the CUDA result token-major in memory and within `tol`
+/// (times the largest |v|, 1) of the f32 CPU reference, and prints the
+/// errors against it and against the CPU reference in `dtype`.
 fn check(seed: u64, shape: Shape, capacity: usize, scale: f32, dtype: DType) -> Result<()> {
     let [batch, heads, kv_heads, queries, keys, head_dim] = shape;
     let rng = &mut Rng::new(seed);
     let cache = [batch, kv_heads, capacity, head_dim];
-    let q = random(rng, &[batch, heads, queries, head_dim], -2.0, 2.0, dtype)?;
+    let q = random(rng, &[batch, queries, heads, head_dim], -2.0, 2.0, dtype)?.transpose(1, 2)?;
     let k_cache = random(rng, &cache, -2.0, 2.0, dtype)?;
     let v_cache = random(rng, &cache, -1.0, 1.0, dtype)?;
     let (k, v) = (k_cache.narrow(2, 0, keys)?, v_cache.narrow(2, 0, keys)?);
     let device = gpu();
     let k_gpu = to_gpu(&k_cache, &device)?.narrow(2, 0, keys)?;
     let v_gpu = to_gpu(&v_cache, &device)?.narrow(2, 0, keys)?;
-    let cuda = causal_attention(&to_gpu(&q, &device)?, &k_gpu, &v_gpu, scale)?;
-    assert!(cuda.is_contiguous());
+    let q_gpu = to_gpu(&q.transpose(1, 2)?, &device)?.transpose(1, 2)?;
+    let cuda = causal_attention(&q_gpu, &k_gpu, &v_gpu, scale)?;
+    assert!(cuda.transpose(1, 2)?.is_contiguous());
     assert_eq!(cuda.dtype(), dtype);
     let f32 = |t: &Tensor| t.to_dtype(DType::F32);
     let reference = causal_attention(&f32(&q)?, &f32(&k)?, &f32(&v)?, scale)?;
@@ -126,8 +129,9 @@ fn causal_attention_matches_cpu_on_the_scalar_kernel() -> Result<()> {
 }
 
 /// Layouts the kernel cannot read in place (a cache view starting off the
-/// 16-byte alignment, transposed k/v, a non-contiguous q) are copied first
-/// and give the results of contiguous inputs.
+/// 16-byte alignment, transposed k/v and q) are copied first, and a
+/// head-major q is read in place: all give the results of contiguous
+/// inputs.
 #[test]
 fn causal_attention_copies_other_layouts_on_cuda() -> Result<()> {
     let mut rng = Rng::new(7300);
@@ -176,12 +180,22 @@ fn causal_attention_copies_other_layouts_on_cuda() -> Result<()> {
             .contiguous()?
             .transpose(2, 3)
     };
-    let q_t = q.transpose(1, 2)?.contiguous()?.transpose(1, 2)?;
+    let q_t = q.transpose(2, 3)?.contiguous()?.transpose(2, 3)?;
     assert_eq!(
         f32_values(&causal_attention(
             &q_t,
             &transposed(&k)?,
             &transposed(&v)?,
+            0.0625
+        )?)?,
+        expected
+    );
+    let q_token_major = q.transpose(1, 2)?.contiguous()?.transpose(1, 2)?;
+    assert_eq!(
+        f32_values(&causal_attention(
+            &q_token_major,
+            &k.narrow(2, 1, 50)?,
+            &v.narrow(2, 1, 50)?,
             0.0625
         )?)?,
         expected

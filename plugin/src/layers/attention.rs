@@ -146,9 +146,11 @@ impl GatedAttention {
             sin,
         )?;
 
-        let q = q.transpose(1, 2)?.contiguous()?;
-        let k = k_tokens.transpose(1, 2)?.contiguous()?;
-        let v = v_tokens.transpose(1, 2)?.contiguous()?;
+        // Head-major views of the token-major rows: the tiled attention reads
+        // them in place, the other paths take contiguous copies.
+        let q = q.transpose(1, 2)?;
+        let k = k_tokens.transpose(1, 2)?;
+        let v = v_tokens.transpose(1, 2)?;
         let attended = match (kv, &self.paged) {
             (
                 AttentionKv::Paged {
@@ -163,9 +165,9 @@ impl GatedAttention {
                     self.causal_attention(&q, &k, &v)?
                 } else {
                     paged.forward(
-                        &q,
-                        &k,
-                        &v,
+                        &q.contiguous()?,
+                        &k.contiguous()?,
+                        &v.contiguous()?,
                         mask,
                         Some(key_value.0),
                         Some(key_value.1),
@@ -181,16 +183,17 @@ impl GatedAttention {
                 )
             }
             (AttentionKv::Contiguous(cache), _) => {
-                let (k, v) = cache.append(&k, &v)?;
+                let (k, v) = cache.append(&k.contiguous()?, &v.contiguous()?)?;
                 if uses_tiled_attention(q.device(), q.dtype(), None) {
                     self.causal_attention(&q, &k, &v)?
                 } else {
-                    self.eager_attention(&q, &k, &v, mask)?
+                    self.eager_attention(&q.contiguous()?, &k, &v, mask)?
                 }
             }
         };
-        // Attention over a prompt is `[B, heads, T, hd]`; the paged decode
-        // kernel answers `[B, heads, hd]`, already in token-major order.
+        // Attention over a prompt is `[B, heads, T, hd]` (the tiled kernel's
+        // a view of token-major rows); the paged decode kernel answers
+        // `[B, heads, hd]`, already in token-major order.
         let token_major = if attended.rank() == 3 {
             attended
         } else {
