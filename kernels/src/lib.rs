@@ -24,6 +24,7 @@
 //! | [`moe_experts_quantized`] | 3.7 step 3 | the same with experts quantized in GGUF blocks (q8_0, q4_K), for decode steps |
 //! | [`quantized_matmul`] | - | `x W^T` with `W` quantized in GGUF blocks (q8_0, q4_K), for decode steps |
 //! | [`quantized_matmul_with_dense`] | - | the same and `x D^T` with `D` in full precision, as one output (one launch on CUDA) |
+//! | [`contiguous`] | - | a view's elements in contiguous memory (on CUDA without reading host memory, so decode graphs can capture it) |
 //! | [`swiglu`] | 3.7 step 3-4 | an expert's `silu(gate) * up` from its packed gate-then-up projection |
 //! | [`add_moe_output`] | 3.7 step 4-5 | the sigmoid-gated shared expert plus the routed output, added to the residual |
 //!
@@ -68,6 +69,7 @@ macro_rules! on_device {
 
 mod attention;
 mod attn_res;
+mod contiguous;
 mod conv;
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -83,6 +85,7 @@ mod route;
 
 pub use attention::causal_attention;
 pub use attn_res::attn_res_mix;
+pub use contiguous::contiguous;
 pub use conv::{
     causal_conv1d, causal_conv1d_split, causal_conv1d_split_in_pool, MAX_CONV_OUTPUT_GROUPS,
 };

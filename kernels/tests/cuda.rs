@@ -21,7 +21,7 @@ mod quantized;
 
 use berrylm_kernels::{
     add_moe_output, add_offset_rms_norm, attn_res_mix, causal_conv1d, causal_conv1d_split,
-    causal_conv1d_split_in_pool, gated_rms_norm, kda_beta, kda_gate, kda_recurrence,
+    causal_conv1d_split_in_pool, contiguous, gated_rms_norm, kda_beta, kda_gate, kda_recurrence,
     kda_recurrence_in_pool_with, kda_recurrence_with, moe_experts, moe_experts_with, moe_route,
     offset_rms_norm, offset_rms_norm_rope, sigmoid_gate_mul, swiglu, KdaPrefillAlgorithm,
     KernelError, MoeExpertsAlgorithm, Result, StatePool,
@@ -284,6 +284,37 @@ fn view_on_both(
 fn compare_parts(what: &str, cuda: &[Tensor], cpu: &[Tensor], tol: Tol) -> Result<()> {
     for (index, (cuda, cpu)) in cuda.iter().zip(cpu).enumerate() {
         compare(&format!("{what} part {index}"), cuda, cpu, tol)?;
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------- contiguous
+
+#[test]
+fn contiguous_matches_cpu_for_strided_views() -> Result<()> {
+    let mut rng = Rng::new(2650);
+    type View = fn(&Tensor) -> candle_core::Result<Tensor>;
+    let cases: [(&str, &[usize], DType, View); 5] = [
+        // The gate half of the per-head interleaved `q_proj` output.
+        ("gate half", &[3, 1, 4, 16], DType::BF16, |t| {
+            t.narrow(3, 8, 8)
+        }),
+        ("transposed heads", &[2, 5, 3, 6], DType::F32, |t| {
+            t.transpose(1, 2)
+        }),
+        ("column slice", &[4, 37], DType::F16, |t| t.narrow(1, 5, 20)),
+        ("transposed ids", &[6, 7], DType::U32, |t| t.t()),
+        ("broadcast row", &[1, 5], DType::F32, |t| {
+            t.broadcast_as((4, 5))
+        }),
+    ];
+    for (what, dims, dtype, view) in cases {
+        let base = random(&mut rng, dims, 0.0, 1000.0, dtype)?;
+        let (cpu, cuda) = view_on_both(&base, view)?;
+        assert!(!cuda.is_contiguous(), "{what}: the view is contiguous");
+        let copy = contiguous(&cuda)?;
+        assert!(copy.is_contiguous(), "{what}: the copy is not contiguous");
+        identical(what, &copy, &contiguous(&cpu)?)?;
     }
     Ok(())
 }

@@ -43,6 +43,8 @@ use crate::{invalid_argument, unsupported_device, KernelError, Result};
 /// addresses, a pool, an optional buffer) calls [`Launch::run`] itself.
 macro_rules! run_kernel {
     ($launch:ident => $launcher:ident($($args:tt)*)) => {{
+        // Read by `dtype(..)` arguments only.
+        #[allow(unused_variables)]
         let op = $launch.op;
         $launch.run(|p| {
             // SAFETY (every binding's): `p` addresses contiguous device
@@ -76,6 +78,7 @@ macro_rules! run_kernel {
 
 mod attention;
 mod attn_res;
+mod contiguous;
 mod conv;
 mod gate;
 mod gate_mul;
@@ -88,6 +91,7 @@ mod rope;
 mod route;
 
 pub(crate) use attn_res::attn_res_mix;
+pub(crate) use contiguous::contiguous;
 pub(crate) use conv::{causal_conv1d, causal_conv1d_in_pool};
 pub(crate) use gate::kda_beta;
 pub(crate) use gate_mul::sigmoid_gate_mul;
@@ -195,9 +199,10 @@ impl Launch {
         })
     }
 
-    /// Declares `tensor` as an input read in its own dtype, made contiguous.
+    /// Declares `tensor` as an input read in its own dtype, made contiguous
+    /// ([`crate::contiguous`]).
     fn input(&mut self, name: &'static str, tensor: &Tensor) -> Result<In> {
-        self.push_input(name, tensor.contiguous()?)
+        self.push_input(name, crate::contiguous(tensor)?)
     }
 
     /// Declares each of `tensors` (with its name) as an [`Launch::input`],
@@ -216,7 +221,7 @@ impl Launch {
         if tensor.dtype() == dtype {
             return self.input(name, tensor);
         }
-        self.push_input(name, tensor.to_dtype(dtype)?.contiguous()?)
+        self.push_input(name, crate::contiguous(&tensor.to_dtype(dtype)?)?)
     }
 
     /// Declares `tensor` as an input read as rows of its last dimension at
