@@ -38,6 +38,12 @@ struct Cli {
     /// Batch sizes of the decode runs (`none` skips them).
     #[arg(long, default_value = "1,8,64", value_name = "LIST")]
     decode: Sizes,
+    /// How the decode runs keep the attention KV, each measured in turn:
+    /// `contiguous` (the host's non-paged cache), `paged` (blocks as under
+    /// `--paged-attn`), `graphs` (paged, steps replayed from CUDA graphs as
+    /// the server's are); paged and graphs need --device cuda.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "contiguous")]
+    decode_kv: Vec<DecodeKv>,
     /// Tokens prefilled per sequence before decoding.
     #[arg(long, default_value_t = 128, value_parser = positive())]
     context: usize,
@@ -116,6 +122,24 @@ impl FromStr for Sizes {
     }
 }
 
+/// How a decode run keeps the attention KV (`--decode-kv`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DecodeKv {
+    Contiguous,
+    Paged,
+    Graphs,
+}
+
+impl DecodeKv {
+    pub fn name(self) -> &'static str {
+        match self {
+            DecodeKv::Contiguous => "contiguous",
+            DecodeKv::Paged => "paged",
+            DecodeKv::Graphs => "graphs",
+        }
+    }
+}
+
 /// Compute type of the run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Precision {
@@ -173,6 +197,7 @@ pub struct Args {
     pub tiny: bool,
     pub prefill: Vec<usize>,
     pub decode: Vec<usize>,
+    pub decode_kv: Vec<DecodeKv>,
     pub context: usize,
     pub steps: usize,
     pub warmup: usize,
@@ -222,6 +247,13 @@ impl Cli {
             (None, DeviceKind::Cuda) => Precision::Bf16,
             (None, DeviceKind::Cpu) => Precision::F32,
         };
+        if device == DeviceKind::Cpu && self.decode_kv.iter().any(|kv| *kv != DecodeKv::Contiguous)
+        {
+            return Err(Cli::command().error(
+                ErrorKind::ArgumentConflict,
+                "--decode-kv paged and graphs need --device cuda: paged attention runs on CUDA",
+            ));
+        }
         Ok(Args {
             device,
             dtype,
@@ -229,6 +261,7 @@ impl Cli {
             tiny: self.tiny,
             prefill: self.prefill.0,
             decode: self.decode.0,
+            decode_kv: self.decode_kv,
             context: self.context,
             steps: self.steps,
             warmup: self.warmup,
@@ -263,6 +296,7 @@ mod tests {
         assert_eq!(args.isq, None);
         assert_eq!(args.prefill, vec![512, 4096, 16384]);
         assert_eq!(args.decode, vec![1, 8, 64]);
+        assert_eq!(args.decode_kv, vec![DecodeKv::Contiguous]);
         assert_eq!((args.context, args.steps, args.warmup), (128, 32, 3));
         let cpu = Args::try_parse(["--device", "cpu"]).unwrap();
         assert_eq!(cpu.dtype, Precision::F32);
@@ -295,6 +329,8 @@ mod tests {
         assert_eq!(args.json, Some(PathBuf::from("out.json")));
         assert_eq!(args.isq, Some(IsqType::Q4K));
         assert_eq!(args.save_checkpoint, Some(PathBuf::from("/tmp/ck")));
+        let args = Args::try_parse(["--device", "cuda", "--decode-kv", "paged,graphs"]).unwrap();
+        assert_eq!(args.decode_kv, vec![DecodeKv::Paged, DecodeKv::Graphs]);
         assert!(Args::try_parse(["--prefill", "none"])
             .unwrap()
             .prefill
@@ -315,6 +351,8 @@ mod tests {
             &["--device", "cpu", "--dtype", "bf16"],
             &["--device", "metal"],
             &["--decode", "1,x"],
+            &["--device", "cpu", "--decode-kv", "paged"],
+            &["--device", "cuda", "--decode-kv", "pages"],
             &["--isq", "q9"],
             &["--tiny=1"],
             &["--frobnicate"],

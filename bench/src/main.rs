@@ -28,13 +28,22 @@ use anyhow::{Context, Result};
 use candle_core::Device;
 use serde_json::{json, Value};
 
-use crate::args::Args;
+use crate::args::{Args, DecodeKv};
 use crate::measure::{mean, median, KERNEL_OPS};
 use crate::shape::ModelShape;
 
 const MIB: f64 = (1u64 << 20) as f64;
 
 fn main() -> ExitCode {
+    // The plugin's warnings (a decode graph that could not be captured) on
+    // stderr; RUST_LOG=berrylm=info also shows each capture.
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .init();
     match run() {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
@@ -362,13 +371,17 @@ impl Bench<'_> {
              KV read, at the copy bandwidth, experts assuming uniform routing)"
         );
         println!(
-            "| batch | ms/step (mean) | ms/step (median) | CPU dispatch ms/step | tokens/s | \
+            "| batch | KV | ms/step (mean) | ms/step (median) | CPU dispatch ms/step | tokens/s | \
              weights read MiB | state MiB | floor ms | floor / measured |"
         );
-        println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+        println!("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|");
         let mut figures = Vec::new();
-        for &batch in &args.decode {
-            match measure::decode(model, batch, context, warmup, steps, args.seed) {
+        let runs = args
+            .decode
+            .iter()
+            .flat_map(|&batch| args.decode_kv.iter().map(move |&kv| (batch, kv)));
+        for (batch, kv) in runs {
+            match measure::decode(model, batch, kv, context, warmup, steps, args.seed) {
                 Ok(times) => {
                     let seconds = &times.total;
                     let step_ms: Vec<f64> = seconds.iter().map(|s| s * 1e3).collect();
@@ -378,8 +391,12 @@ impl Bench<'_> {
                     let floor = self
                         .bandwidth
                         .map(|bw| (bytes.weights() + bytes.state) / bw);
+                    let kv_name = match kv {
+                        DecodeKv::Graphs => format!("graphs ({} replayed)", times.graph_replays),
+                        _ => kv.name().to_string(),
+                    };
                     println!(
-                        "| {batch} | {} | {} | {} | {} | {:.1} | {:.1} | {} | {} |",
+                        "| {batch} | {kv_name} | {} | {} | {} | {} | {:.1} | {:.1} | {} | {} |",
                         num(mean_s * 1e3),
                         num(median_s * 1e3),
                         num(dispatch_s * 1e3),
@@ -391,6 +408,8 @@ impl Bench<'_> {
                     );
                     figures.push(json!({
                         "batch": batch,
+                        "kv": kv.name(),
+                        "graph_replays": times.graph_replays,
                         "context": context,
                         "warmup_steps": warmup,
                         "steps": steps,
@@ -407,8 +426,11 @@ impl Bench<'_> {
                     }));
                 }
                 Err(error) => {
-                    println!("| {batch} | failed | | | | | | | |");
-                    figures.push(self.failed(format!("decode batch {batch}: {error:#}")));
+                    println!("| {batch} | {} | failed | | | | | | | |", kv.name());
+                    figures.push(self.failed(format!(
+                        "decode batch {batch} ({} KV): {error:#}",
+                        kv.name()
+                    )));
                 }
             }
         }

@@ -9,6 +9,7 @@ use berrylm::driver::Driver;
 use berrylm::model::BerryLm;
 use candle_core::{DType, Device, Module, Tensor};
 
+use crate::args::DecodeKv;
 use crate::shape::ModelShape;
 
 /// Seconds per call of `call`: after two warm-up calls, as many back-to-back
@@ -181,6 +182,8 @@ pub fn prefill(model: &BerryLm, tokens: usize, repeats: usize, seed: u64) -> Res
 pub struct StepTimes {
     pub total: Vec<f64>,
     pub dispatch: Vec<f64>,
+    /// Steps replayed from CUDA graphs (warm-up steps included).
+    pub graph_replays: u64,
 }
 
 /// Decoding at `batch` sequences: a prefill of `context` tokens per sequence,
@@ -188,6 +191,7 @@ pub struct StepTimes {
 pub fn decode(
     model: &BerryLm,
     batch: usize,
+    kv: DecodeKv,
     context: usize,
     warmup: usize,
     steps: usize,
@@ -195,7 +199,12 @@ pub fn decode(
 ) -> Result<StepTimes> {
     let device = model.device();
     let vocab = model.config().vocab_size;
-    let mut driver = Driver::new(model, batch)?;
+    let tokens = context + warmup + steps;
+    let mut driver = match kv {
+        DecodeKv::Contiguous => Driver::new(model, batch)?,
+        DecodeKv::Paged => Driver::paged(model, batch, tokens)?,
+        DecodeKv::Graphs => Driver::paged(model, batch, tokens)?.with_decode_graphs()?,
+    };
     let prompts: Vec<Vec<u32>> = (0..batch)
         .map(|row| token_ids(context, vocab, seed ^ ((row as u64 + 1) << 32)))
         .collect();
@@ -205,6 +214,7 @@ pub fn decode(
     let mut times = StepTimes {
         total: Vec::with_capacity(steps),
         dispatch: Vec::with_capacity(steps),
+        graph_replays: 0,
     };
     for (step, tokens) in next.chunks(batch).enumerate() {
         let rows: Vec<&[u32]> = tokens.chunks(1).collect();
@@ -222,6 +232,7 @@ pub fn decode(
             check_logits(&logits, batch)?;
         }
     }
+    times.graph_replays = driver.decode_graph_replays();
     Ok(times)
 }
 

@@ -462,7 +462,9 @@ pub fn build_model(shape: &ModelShape, dtype: DType, device: &Device) -> Result<
         tensors.insert(spec.name, tensor);
     }
     let vb = ShardedSafeTensors::wrap(Box::new(tensors), dtype, device.clone());
-    let model = BerryLm::load(cfg, &Weights::new(vb), false).context("loading the random model")?;
+    // Paged on CUDA: the decode runs of `--decode-kv paged` and `graphs` give it blocks.
+    let model = BerryLm::load(cfg, &Weights::new(vb), device.is_cuda())
+        .context("loading the random model")?;
     Ok(model)
 }
 

@@ -2,14 +2,15 @@
 
 use candle_core::{Device, Result};
 
-/// CUDA device `ordinal`, set up as the host's pipelines set up theirs: the
-/// model runs on the device's one candle stream, so cudarc's cross-stream
+/// CUDA device `ordinal`, set up as the server sets up its own: the model
+/// runs on one stream of the device's own (not the legacy NULL stream, on
+/// which CUDA cannot capture the decode graphs), and cudarc's cross-stream
 /// event tracking is off (with it, every allocation creates two events and
 /// every kernel launch waits on and records them). Tools that run the model
 /// outside the host (the benchmark, the alignment report) open their device
 /// with this, so that they measure what the server runs.
 pub fn open_cuda(ordinal: usize) -> Result<Device> {
-    let device = Device::new_cuda(ordinal)?;
+    let device = Device::new_cuda_with_stream(ordinal)?;
     #[cfg(feature = "cuda")]
     if let Device::Cuda(cuda) = &device {
         // SAFETY: nothing has been allocated on the device yet, and all its

@@ -1,22 +1,25 @@
 //! Running the model directly on a fresh host cache, outside the engine: the
-//! way the host's non-paged path drives it (one recurrent slot per sequence,
-//! attention KV batched). Used by the alignment tool and the tests.
+//! way the host drives it (one recurrent slot per sequence, attention KV
+//! batched, or in paged blocks as under `--paged-attn`). Used by the
+//! alignment tool, the benchmark and the tests.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
-use mistralrs_core::plugin_api::{FlashParams, HybridCache};
+use mistralrs_core::plugin_api::{FlashParams, HybridCache, PagedAttentionInputMetadata};
 use mistralrs_quant::{IsqType, ShardedSafeTensors};
 
 use crate::config::BerryLmConfig;
-use crate::model::{BerryLm, ForwardBatch};
+use crate::model::{BerryLm, ForwardBatch, PagedKv};
 use crate::quantization::{self, QuantizationReport};
 use crate::weights::Weights;
 
 /// Loads a checkpoint folder (`config.json` and one or more `*.safetensors`)
-/// with every weight in `dtype` on `device`.
+/// with every weight in `dtype` on `device` (on CUDA able to run paged KV
+/// too, as [`Driver::paged`] gives it).
 pub fn load_checkpoint(dir: &Path, dtype: DType, device: &Device) -> Result<BerryLm> {
     let config_path = dir.join("config.json");
     let config = std::fs::read_to_string(&config_path)
@@ -36,7 +39,7 @@ pub fn load_checkpoint(dir: &Path, dtype: DType, device: &Device) -> Result<Berr
     // SAFETY: the checkpoint files are not modified while they are mapped.
     let vb =
         unsafe { ShardedSafeTensors::sharded(&files, dtype, device, None, Arc::new(|_| true))? };
-    Ok(BerryLm::load(cfg, &Weights::new(vb), false)?)
+    Ok(BerryLm::load(cfg, &Weights::new(vb), device.is_cuda())?)
 }
 
 /// [`load_checkpoint`] with the host's in-situ quantization to `isq` applied
@@ -68,13 +71,30 @@ pub fn quantized_while_loading(
 }
 
 /// Drives a batch of sequences through the model with the host's hybrid cache,
-/// the way the host's non-paged path does: one recurrent slot per sequence and
-/// the attention KV batched.
+/// the way the host does: one recurrent slot per sequence and the attention
+/// KV batched ([`Driver::new`], the non-paged path) or in paged blocks
+/// ([`Driver::paged`]).
 pub struct Driver<'m> {
     model: &'m BerryLm,
     cache: HybridCache,
     offsets: Vec<usize>,
+    paged: Option<PagedBlocks>,
+    #[cfg(feature = "cuda")]
+    decode_graphs: Option<crate::decode_graph::DecodeGraphs>,
 }
+
+/// The attention layers' KV in paged blocks, laid out as the host's cache
+/// engine lays them out, sequence `i` owning blocks `i * per_sequence ..
+/// (i + 1) * per_sequence`.
+struct PagedBlocks {
+    /// `(key, value)` blocks of each attention layer.
+    blocks: Vec<(Tensor, Tensor)>,
+    block_size: usize,
+    per_sequence: usize,
+}
+
+/// Tokens per paged block (the host's default).
+const PAGED_BLOCK_SIZE: usize = 32;
 
 impl<'m> Driver<'m> {
     pub fn new(model: &'m BerryLm, sequences: usize) -> Result<Driver<'m>> {
@@ -89,7 +109,68 @@ impl<'m> Driver<'m> {
             model,
             cache,
             offsets: vec![0; sequences],
+            paged: None,
+            #[cfg(feature = "cuda")]
+            decode_graphs: None,
         })
+    }
+
+    /// A driver whose attention layers keep their KV in paged blocks (room
+    /// for `max_tokens` per sequence), as the host's paged attention does:
+    /// prompts from the start, then decode steps of one token.
+    pub fn paged(model: &'m BerryLm, sequences: usize, max_tokens: usize) -> Result<Driver<'m>> {
+        anyhow::ensure!(
+            model.paged_attention(),
+            "the model was loaded without paged attention (it is on CUDA only)"
+        );
+        let mut driver = Driver::new(model, sequences)?;
+        let cfg = model.config();
+        let dtype = model.dtype();
+        let per_sequence = max_tokens.div_ceil(PAGED_BLOCK_SIZE);
+        let blocks = sequences * per_sequence;
+        // Keys `[blocks, kv_heads, head_dim / x, block_size, x]` with `x`
+        // elements in 16 bytes; values `[blocks, kv_heads, head_dim, block_size]`.
+        let x = 16 / dtype.size_in_bytes();
+        let key_shape = (
+            blocks,
+            cfg.num_key_value_heads,
+            cfg.head_dim / x,
+            PAGED_BLOCK_SIZE,
+            x,
+        );
+        let value_shape = (
+            blocks,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            PAGED_BLOCK_SIZE,
+        );
+        let blocks = (0..cfg.num_full_attention_layers())
+            .map(|_| {
+                Ok((
+                    Tensor::zeros(key_shape, dtype, model.device())?,
+                    Tensor::zeros(value_shape, dtype, model.device())?,
+                ))
+            })
+            .collect::<candle_core::Result<_>>()?;
+        driver.paged = Some(PagedBlocks {
+            blocks,
+            block_size: PAGED_BLOCK_SIZE,
+            per_sequence,
+        });
+        Ok(driver)
+    }
+
+    /// This paged driver, its decode steps replayed from CUDA graphs as the
+    /// server's are (`crate::decode_graph`, CUDA builds only).
+    pub fn with_decode_graphs(#[allow(unused_mut)] mut self) -> Result<Driver<'m>> {
+        anyhow::ensure!(self.paged.is_some(), "decode graphs need paged KV");
+        #[cfg(feature = "cuda")]
+        {
+            self.decode_graphs = Some(crate::decode_graph::DecodeGraphs::new());
+            Ok(self)
+        }
+        #[cfg(not(feature = "cuda"))]
+        anyhow::bail!("decode graphs need a CUDA build")
     }
 
     /// Feeds one chunk per sequence (all the same length); returns logits `[B, T, vocab]`
@@ -106,6 +187,10 @@ impl<'m> Driver<'m> {
     /// Like [`Driver::step`], but with the LM head on each sequence's last position
     /// only, as the engine does: returns logits `[B, vocab]`.
     pub fn step_last(&mut self, chunks: &[&[u32]]) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(logits) = self.replay_decode_step(chunks)? {
+            return Ok(logits.squeeze(1)?.to_dtype(DType::F32)?);
+        }
         let hidden = self.forward_hidden(chunks, None)?;
         // Contiguous, as the engine's gather of the last positions is: CUDA's
         // matmul takes no strided rows.
@@ -116,28 +201,81 @@ impl<'m> Driver<'m> {
         Ok(self.model.logits(&last)?.to_dtype(DType::F32)?)
     }
 
-    /// Runs the decoder on one chunk per sequence; returns the final-normed hidden states.
-    fn forward_hidden(
-        &mut self,
-        chunks: &[&[u32]],
-        layer_outputs: Option<&mut Vec<Tensor>>,
-    ) -> Result<Tensor> {
-        let len = chunks[0].len();
-        let rows: Vec<Tensor> = chunks
-            .iter()
-            .map(|chunk| Tensor::new(*chunk, self.model.device()))
-            .collect::<candle_core::Result<_>>()?;
-        let input_ids = Tensor::stack(&rows, 0)?;
+    /// Decode steps this driver replayed from CUDA graphs.
+    pub fn decode_graph_replays(&self) -> u64 {
+        #[cfg(feature = "cuda")]
+        if let Some(graphs) = &self.decode_graphs {
+            return graphs.replays();
+        }
+        0
+    }
+
+    /// The logits `[B, 1, vocab]` of a decode step replayed from its CUDA
+    /// graph, when the driver has graphs and the step is one they take.
+    #[cfg(feature = "cuda")]
+    fn replay_decode_step(&mut self, chunks: &[&[u32]]) -> Result<Option<Tensor>> {
+        let (Some(graphs), Some(paged)) = (&self.decode_graphs, &self.paged) else {
+            return Ok(None);
+        };
+        let input_ids = input_ids(chunks, self.model.device())?;
+        let len = input_ids.dim(1)?;
+        let metadata = paged.metadata(&self.offsets, len, self.model.device())?;
         let counts = vec![len; chunks.len()];
         let batch = ForwardBatch {
             input_ids: &input_ids,
             seqlen_offsets: &self.offsets,
             token_counts: &counts,
         };
+        let kv = PagedKv {
+            blocks: &paged.blocks,
+            metadata: &metadata,
+        };
+        let logits = graphs.forward(
+            self.model,
+            &batch,
+            &mut self.cache,
+            &kv,
+            &FlashParams::empty(true),
+        )?;
+        if logits.is_some() {
+            for offset in &mut self.offsets {
+                *offset += len;
+            }
+        }
+        Ok(logits)
+    }
+
+    /// Runs the decoder on one chunk per sequence; returns the final-normed hidden states.
+    fn forward_hidden(
+        &mut self,
+        chunks: &[&[u32]],
+        layer_outputs: Option<&mut Vec<Tensor>>,
+    ) -> Result<Tensor> {
+        let input_ids = input_ids(chunks, self.model.device())?;
+        let len = input_ids.dim(1)?;
+        let counts = vec![len; chunks.len()];
+        let batch = ForwardBatch {
+            input_ids: &input_ids,
+            seqlen_offsets: &self.offsets,
+            token_counts: &counts,
+        };
+        let metadata = self
+            .paged
+            .as_ref()
+            .map(|paged| paged.metadata(&self.offsets, len, self.model.device()))
+            .transpose()?;
+        let paged = self
+            .paged
+            .as_ref()
+            .zip(metadata.as_ref())
+            .map(|(paged, metadata)| PagedKv {
+                blocks: &paged.blocks,
+                metadata,
+            });
         let hidden = self.model.forward_hidden(
             &batch,
             &mut self.cache,
-            None,
+            paged,
             &FlashParams::empty(true),
             layer_outputs,
         )?;
@@ -169,5 +307,137 @@ impl<'m> Driver<'m> {
             ids.len()
         );
         Ok(Tensor::cat(&logits, 0)?)
+    }
+}
+
+/// The chunks (one per sequence, all the same length) as `[B, T]` token ids.
+fn input_ids(chunks: &[&[u32]], device: &Device) -> Result<Tensor> {
+    let rows: Vec<Tensor> = chunks
+        .iter()
+        .map(|chunk| Tensor::new(*chunk, device))
+        .collect::<candle_core::Result<_>>()?;
+    Ok(Tensor::stack(&rows, 0)?)
+}
+
+impl PagedBlocks {
+    /// The host's paged attention metadata of a step feeding `len` tokens to
+    /// each sequence from `offsets`: a prompt from the start, or one token.
+    fn metadata(
+        &self,
+        offsets: &[usize],
+        len: usize,
+        device: &Device,
+    ) -> Result<PagedAttentionInputMetadata> {
+        let prompt = offsets.iter().all(|&offset| offset == 0);
+        anyhow::ensure!(
+            prompt || len == 1,
+            "a paged driver feeds prompts from the start, then one token at a time"
+        );
+        let ends: Vec<usize> = offsets.iter().map(|offset| offset + len).collect();
+        let longest = ends.iter().copied().max().unwrap_or(0);
+        anyhow::ensure!(
+            longest <= self.per_sequence * self.block_size,
+            "{longest} tokens do not fit the paged driver's {} blocks of {} per sequence",
+            self.per_sequence,
+            self.block_size
+        );
+        let first_block = |row: usize| row * self.per_sequence;
+        let slots: Vec<i64> = offsets
+            .iter()
+            .enumerate()
+            .flat_map(|(row, &offset)| {
+                (offset..offset + len).map(move |position| {
+                    ((first_block(row) + position / self.block_size) * self.block_size
+                        + position % self.block_size) as i64
+                })
+            })
+            .collect();
+        let width = longest.div_ceil(self.block_size);
+        let tables: Vec<u32> = (0..offsets.len())
+            .flat_map(|row| (0..width).map(move |block| (first_block(row) + block) as u32))
+            .collect();
+        let context_lens: Vec<u32> = ends.iter().map(|&end| end as u32).collect();
+        let location = device.location();
+        let on_device = |tensor: Tensor| HashMap::from([(location, tensor)]);
+        Ok(PagedAttentionInputMetadata {
+            block_tables: Some(on_device(Tensor::from_vec(
+                tables,
+                (offsets.len(), width),
+                device,
+            )?)),
+            context_lens: Some(on_device(Tensor::new(context_lens.as_slice(), device)?)),
+            // One slot per new token, flat, as the host's inputs give them.
+            slot_mappings: on_device(Tensor::from_vec(slots, offsets.len() * len, device)?),
+            max_context_len: Some(longest),
+            full_block_tables: None,
+            full_context_lens: None,
+            full_max_context_len: None,
+            is_first_prompt_chunk: prompt,
+            paged_kv_indptr: None,
+            paged_kv_indices: None,
+            paged_kv_last_page_len: None,
+            paged_kv_request_indices: None,
+            paged_kv_tile_indices: None,
+            paged_kv_o_indptr: None,
+            paged_kv_chunk_size: None,
+            num_cached_tokens: None,
+            query_lens: None,
+            cu_seqlens_q: None,
+            cu_seqlens_kv: None,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn blocks() -> PagedBlocks {
+        PagedBlocks {
+            blocks: Vec::new(),
+            block_size: 4,
+            per_sequence: 3,
+        }
+    }
+
+    fn values(map: &HashMap<candle_core::DeviceLocation, Tensor>) -> Vec<i64> {
+        let tensor = map.values().next().expect("one device");
+        tensor
+            .to_dtype(DType::I64)
+            .and_then(|t| t.flatten_all())
+            .and_then(|t| t.to_vec1())
+            .expect("a tensor of integers")
+    }
+
+    #[test]
+    fn paged_metadata_places_each_sequence_in_its_own_blocks() -> Result<()> {
+        // Blocks of 4 tokens, 3 per sequence: sequence 1 owns blocks 3..6.
+        let prompt = blocks().metadata(&[0, 0], 5, &Device::Cpu)?;
+        assert!(prompt.is_first_prompt_chunk);
+        assert_eq!(
+            values(&prompt.slot_mappings),
+            [0, 1, 2, 3, 4, 12, 13, 14, 15, 16]
+        );
+        assert_eq!(values(prompt.block_tables.as_ref().unwrap()), [0, 1, 3, 4]);
+        assert_eq!(values(prompt.context_lens.as_ref().unwrap()), [5, 5]);
+        assert_eq!(prompt.max_context_len, Some(5));
+
+        // Position 5 is block 1's second slot; position 7 the last slot of
+        // sequence 1's second block (block 4).
+        let decode = blocks().metadata(&[5, 7], 1, &Device::Cpu)?;
+        assert!(!decode.is_first_prompt_chunk);
+        assert_eq!(values(&decode.slot_mappings), [5, 19]);
+        assert_eq!(values(decode.block_tables.as_ref().unwrap()), [0, 1, 3, 4]);
+        assert_eq!(values(decode.context_lens.as_ref().unwrap()), [6, 8]);
+        assert_eq!(decode.max_context_len, Some(8));
+        Ok(())
+    }
+
+    #[test]
+    fn paged_metadata_refuses_chunks_and_overflow() {
+        let chunk = blocks().metadata(&[4, 4], 2, &Device::Cpu).unwrap_err();
+        assert!(chunk.to_string().contains("one token at a time"), "{chunk}");
+        let overflow = blocks().metadata(&[12], 1, &Device::Cpu).unwrap_err();
+        assert!(overflow.to_string().contains("do not fit"), "{overflow}");
     }
 }

@@ -16,6 +16,8 @@ use crate::model::{BerryLm, ForwardBatch, PagedKv};
 pub struct BerryLmHostModel {
     model: BerryLm,
     cache: EitherCache,
+    #[cfg(feature = "cuda")]
+    decode_graphs: crate::decode_graph::DecodeGraphs,
     mapper: Box<dyn DeviceMapper + Send + Sync>,
     metadata: ModelConfigMetadata,
     /// Name of the registered chat output parser for this model's requests.
@@ -33,6 +35,8 @@ impl BerryLmHostModel {
         Ok(BerryLmHostModel {
             model,
             cache,
+            #[cfg(feature = "cuda")]
+            decode_graphs: crate::decode_graph::DecodeGraphs::new(),
             mapper,
             metadata,
             output_parser,
@@ -117,11 +121,24 @@ impl NormalModel for BerryLmHostModel {
         let paged = metadata
             .as_ref()
             .map(|(blocks, metadata)| PagedKv { blocks, metadata });
-        let hidden = {
-            let mut cache = self.cache.hybrid();
-            self.model
-                .forward_hidden(&batch, &mut cache, paged, flash_params, None)?
-        };
+        let mut cache = self.cache.hybrid();
+        #[cfg(feature = "cuda")]
+        if let Some(paged) = &paged {
+            let replayed =
+                self.decode_graphs
+                    .forward(&self.model, &batch, &mut cache, paged, flash_params)?;
+            if let Some(logits) = replayed {
+                return Ok(logits);
+            }
+        }
+        let hidden = self
+            .model
+            .forward_hidden(&batch, &mut cache, paged, flash_params, None)?;
+        drop(cache);
+        // A decode step's logits are every row's one token's.
+        if seq_len == 1 {
+            return self.model.logits(&hidden);
+        }
         // Logits at the requested positions; a single last position means the
         // row's own last real token.
         let mut selected = Vec::with_capacity(rows);

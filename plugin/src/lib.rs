@@ -6,6 +6,8 @@
 //! checkpoint whose `config.json` names BerryLM.
 
 pub mod config;
+#[cfg(feature = "cuda")]
+pub mod decode_graph;
 pub mod device;
 #[cfg(feature = "cuda")]
 pub mod device_memory;

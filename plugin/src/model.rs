@@ -39,10 +39,9 @@ struct DecoderLayer {
 enum MixerState<'a> {
     Kda {
         pool: &'a mut RecurrentStatePool,
-        /// The slots on the device, and the same on the host.
-        slots: &'a Tensor,
-        host_slots: &'a [u32],
-        batch: &'a ForwardBatch<'a>,
+        slots: &'a RecurrentSlots,
+        /// The real tokens of each row.
+        token_counts: &'a [usize],
     },
     Attention {
         kv: AttentionKv<'a>,
@@ -117,10 +116,9 @@ impl Mixer {
                 MixerState::Kda {
                     pool,
                     slots,
-                    host_slots,
-                    batch,
+                    token_counts,
                 },
-            ) => run_kda(kda, normed, batch, slots, host_slots, pool),
+            ) => run_kda(kda, normed, token_counts, slots, pool),
             (
                 Mixer::Attention(attention),
                 MixerState::Attention {
@@ -147,6 +145,23 @@ pub struct ForwardBatch<'a> {
     pub seqlen_offsets: &'a [usize],
     /// Real (unpadded) tokens in each row, each in `1..=T`.
     pub token_counts: &'a [usize],
+}
+
+/// The recurrent state slots of a batch's sequences: on the device (the
+/// kernels' index) and the same on the host.
+#[derive(Clone)]
+pub(crate) struct RecurrentSlots {
+    pub indices: Tensor,
+    pub host: Vec<u32>,
+}
+
+/// What the decoder layers read of a batch besides the caches.
+pub(crate) struct StepInputs {
+    /// The tokens' embeddings `[B * T, hidden]`.
+    pub embedded: Tensor,
+    /// Each token's rotary rows `[B, T, rotary_dim]`.
+    pub cos: Tensor,
+    pub sin: Tensor,
 }
 
 /// Paged KV blocks of the attention layers, indexed by attention-layer ordinal.
@@ -286,6 +301,19 @@ impl BerryLm {
         &self.device
     }
 
+    /// Whether the attention layers can run on the host's paged KV blocks.
+    pub fn paged_attention(&self) -> bool {
+        self.layers.iter().all(|layer| match &layer.mixer {
+            Mixer::Attention(attention) => attention.is_paged(),
+            Mixer::Kda(_) => true,
+        })
+    }
+
+    /// The activations' dtype (the embedding's).
+    pub fn dtype(&self) -> DType {
+        self.embed_tokens.dtype()
+    }
+
     /// The host cache layout: KV caches for attention layers, recurrent pools
     /// (packed q|k|v conv state of `Kc` columns, state `[Hv, dk, dv]`) for KDA.
     pub fn hybrid_cache_config(&self) -> HybridCacheConfig {
@@ -328,9 +356,32 @@ impl BerryLm {
         cache: &mut HybridCache,
         paged: Option<PagedKv<'_>>,
         flash_params: &FlashParams,
-        mut layer_outputs: Option<&mut Vec<Tensor>>,
+        layer_outputs: Option<&mut Vec<Tensor>>,
     ) -> Result<Tensor> {
-        let (rows, seq_len) = batch.input_ids.dims2()?;
+        self.check_batch(batch, paged.is_some())?;
+        let slots = self.recurrent_slots(cache, batch.seqlen_offsets.len())?;
+        let inputs = self.step_inputs(batch)?;
+        let mask = self.causal_mask(batch, inputs.embedded.dtype(), paged.as_ref())?;
+        let hidden = self.run_layers(
+            &inputs,
+            batch.token_counts,
+            slots.as_ref(),
+            cache,
+            paged,
+            mask.as_ref(),
+            flash_params,
+            layer_outputs,
+        )?;
+        if let Some(slots) = &slots {
+            advance_recurrent_offsets(cache, &slots.host, batch);
+        }
+        Ok(hidden)
+    }
+
+    /// Fails unless `batch`'s per-row lists match its rows and, without
+    /// paged KV, its rows share one position offset.
+    pub(crate) fn check_batch(&self, batch: &ForwardBatch<'_>, paged: bool) -> Result<()> {
+        let (rows, _) = batch.input_ids.dims2()?;
         if batch.seqlen_offsets.len() != rows || batch.token_counts.len() != rows {
             candle_core::bail!(
                 "BerryLM forward: {rows} rows but {} offsets and {} token counts",
@@ -338,25 +389,7 @@ impl BerryLm {
                 batch.token_counts.len()
             );
         }
-        let hidden = self.cfg.hidden_size;
-        let mut x = self
-            .embed_tokens
-            .index_select(&batch.input_ids.flatten_all()?, 0)?;
-        let dtype = x.dtype();
-
-        let state_indices = cache.state_indices().cloned();
-        let slots: Vec<u32> = match &state_indices {
-            Some(indices) => indices.to_vec1()?,
-            None => Vec::new(),
-        };
-        let has_kda = self.cfg.layer_types.contains(&LayerKind::LinearAttention);
-        if has_kda && slots.len() != rows {
-            candle_core::bail!(
-                "BerryLM forward: the host gave {} recurrent state slots for {rows} sequences",
-                slots.len()
-            );
-        }
-        if paged.is_none()
+        if !paged
             && self.cfg.num_full_attention_layers() > 0
             && batch
                 .seqlen_offsets
@@ -368,10 +401,64 @@ impl BerryLm {
                 batch.seqlen_offsets
             );
         }
+        Ok(())
+    }
 
-        let (cos, sin) = self.rotary_tables(batch, seq_len, dtype)?;
-        let mask = self.causal_mask(batch, dtype, paged.as_ref())?;
+    /// The recurrent state slots the host gave the batch's `rows` sequences
+    /// (read back from the device), `None` for a model without KDA layers.
+    pub(crate) fn recurrent_slots(
+        &self,
+        cache: &HybridCache,
+        rows: usize,
+    ) -> Result<Option<RecurrentSlots>> {
+        if !self.cfg.layer_types.contains(&LayerKind::LinearAttention) {
+            return Ok(None);
+        }
+        let Some(indices) = cache.state_indices() else {
+            candle_core::bail!("BerryLM forward: the host gave no recurrent state slots")
+        };
+        let host: Vec<u32> = indices.to_vec1()?;
+        if host.len() != rows {
+            candle_core::bail!(
+                "BerryLM forward: the host gave {} recurrent state slots for {rows} sequences",
+                host.len()
+            );
+        }
+        Ok(Some(RecurrentSlots {
+            indices: indices.clone(),
+            host,
+        }))
+    }
 
+    /// What the layers read of the batch besides the caches: its tokens'
+    /// embeddings and their rotary rows, computed and uploaded here.
+    pub(crate) fn step_inputs(&self, batch: &ForwardBatch<'_>) -> Result<StepInputs> {
+        let (_, seq_len) = batch.input_ids.dims2()?;
+        let embedded = self
+            .embed_tokens
+            .index_select(&batch.input_ids.flatten_all()?, 0)?;
+        let (cos, sin) = self.rotary_tables(batch, seq_len, embedded.dtype())?;
+        Ok(StepInputs { embedded, cos, sin })
+    }
+
+    /// The decoder layers and the final norm over `inputs` (`token_counts`:
+    /// the real tokens of each row): device work only, what a decode graph
+    /// captures; returns `[B, T, hidden]`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn run_layers(
+        &self,
+        inputs: &StepInputs,
+        token_counts: &[usize],
+        slots: Option<&RecurrentSlots>,
+        cache: &mut HybridCache,
+        paged: Option<PagedKv<'_>>,
+        mask: Option<&Tensor>,
+        flash_params: &FlashParams,
+        mut layer_outputs: Option<&mut Vec<Tensor>>,
+    ) -> Result<Tensor> {
+        let (rows, seq_len, _) = inputs.cos.dims3()?;
+        let hidden = self.cfg.hidden_size;
+        let mut x = inputs.embedded.clone();
         let mut committed: Vec<Tensor> = Vec::new();
         if self.cfg.attn_res_enabled() {
             committed.push(x.clone());
@@ -380,16 +467,15 @@ impl BerryLm {
         for (index, layer) in self.layers.iter().enumerate() {
             let state = match cache.get_mut(index) {
                 Some(HybridLayerCache::Recurrent(pool)) => {
-                    let Some(indices) = &state_indices else {
+                    let Some(slots) = slots else {
                         candle_core::bail!(
                             "BerryLM forward: the host gave no recurrent state slots"
                         )
                     };
                     MixerState::Kda {
                         pool,
-                        slots: indices,
-                        host_slots: &slots,
-                        batch,
+                        slots,
+                        token_counts,
                     }
                 }
                 Some(HybridLayerCache::Attention(kv)) => {
@@ -403,9 +489,9 @@ impl BerryLm {
                     attention_ordinal += 1;
                     MixerState::Attention {
                         kv,
-                        cos: &cos,
-                        sin: &sin,
-                        mask: mask.as_ref(),
+                        cos: &inputs.cos,
+                        sin: &inputs.sin,
+                        mask,
                         flash_params,
                     }
                 }
@@ -493,66 +579,76 @@ impl BerryLm {
     }
 }
 
-/// Runs a KDA layer on every row, reading and writing each sequence's slot
-/// (`slots`, and the same on the device as `indices`).
+/// Runs a KDA layer on every row, reading and writing each sequence's slot.
 fn run_kda(
     kda: &Kda,
     normed: &Tensor,
-    batch: &ForwardBatch<'_>,
-    indices: &Tensor,
-    slots: &[u32],
+    token_counts: &[usize],
+    slots: &RecurrentSlots,
     pool: &mut RecurrentStatePool,
 ) -> Result<Tensor> {
     let (rows, seq_len, _) = normed.dims3()?;
-    let all_full = batch.token_counts.iter().all(|count| *count == seq_len);
-    let out = if all_full {
+    let all_full = token_counts.iter().all(|count| *count == seq_len);
+    if all_full {
         let state = KdaState {
             conv: StatePool {
                 states: &pool.conv_state,
-                slots: indices,
-                host_slots: slots,
+                slots: &slots.indices,
+                host_slots: &slots.host,
             },
             recurrent: StatePool {
                 states: &pool.recurrent_state,
-                slots: indices,
-                host_slots: slots,
+                slots: &slots.indices,
+                host_slots: &slots.host,
             },
         };
-        kda.forward(normed, &state)?
-    } else {
-        // Padded rows: run each sequence on its real tokens only, so padding
-        // never reaches its state; padded outputs are zeros.
-        let mut outputs = Vec::with_capacity(rows);
-        for (row, (&slot, &count)) in slots.iter().zip(batch.token_counts).enumerate() {
-            let index = Tensor::new(&[slot], pool.device())?;
-            let state = KdaState {
-                conv: StatePool {
-                    states: &pool.conv_state,
-                    slots: &index,
-                    host_slots: &[slot],
-                },
-                recurrent: StatePool {
-                    states: &pool.recurrent_state,
-                    slots: &index,
-                    host_slots: &[slot],
-                },
-            };
-            let row_input = normed.i((row..row + 1, ..count))?;
-            let row_out = kda.forward(&row_input, &state)?;
-            outputs.push(if count < seq_len {
-                row_out.pad_with_zeros(1, 0, seq_len - count)?
-            } else {
-                row_out
-            });
-        }
-        Tensor::cat(&outputs, 0)?
-    };
-    for ((&slot, &offset), &count) in slots
-        .iter()
-        .zip(batch.seqlen_offsets)
-        .zip(batch.token_counts)
-    {
-        pool.set_seqlen_offset(slot as usize, offset + count);
+        return kda.forward(normed, &state);
     }
-    Ok(out)
+    // Padded rows: run each sequence on its real tokens only, so padding
+    // never reaches its state; padded outputs are zeros.
+    let mut outputs = Vec::with_capacity(rows);
+    for (row, (&slot, &count)) in slots.host.iter().zip(token_counts).enumerate() {
+        let index = Tensor::new(&[slot], pool.device())?;
+        let state = KdaState {
+            conv: StatePool {
+                states: &pool.conv_state,
+                slots: &index,
+                host_slots: &[slot],
+            },
+            recurrent: StatePool {
+                states: &pool.recurrent_state,
+                slots: &index,
+                host_slots: &[slot],
+            },
+        };
+        let row_input = normed.i((row..row + 1, ..count))?;
+        let row_out = kda.forward(&row_input, &state)?;
+        outputs.push(if count < seq_len {
+            row_out.pad_with_zeros(1, 0, seq_len - count)?
+        } else {
+            row_out
+        });
+    }
+    Tensor::cat(&outputs, 0)
+}
+
+/// Records in every recurrent pool how many tokens each of the batch's
+/// sequences (by its slot) has processed after the forward (host
+/// bookkeeping, outside the device work a decode graph captures).
+pub(crate) fn advance_recurrent_offsets(
+    cache: &mut HybridCache,
+    host_slots: &[u32],
+    batch: &ForwardBatch<'_>,
+) {
+    for layer in cache.caches.iter_mut() {
+        if let HybridLayerCache::Recurrent(pool) = layer {
+            for ((&slot, &offset), &count) in host_slots
+                .iter()
+                .zip(batch.seqlen_offsets)
+                .zip(batch.token_counts)
+            {
+                pool.set_seqlen_offset(slot as usize, offset + count);
+            }
+        }
+    }
 }

@@ -13,8 +13,9 @@ pub const TOOLS: [&str; 3] = ["mistralrs", "berrylm-align", "berrylm-bench"];
 /// against their CPU reference, and the serving tests (paged attention is
 /// only on in CUDA builds; device errors are injected there; quantized
 /// experts run in the host's indexed kernels there; device maps are refused
-/// only where there is a GPU to map to).
-pub const TESTS: [&str; 8] = [
+/// only where there is a GPU to map to), and decode graphs against the eager
+/// forward.
+pub const TESTS: [&str; 9] = [
     "cuda",
     "server_invariance",
     "server_paged",
@@ -23,6 +24,7 @@ pub const TESTS: [&str; 8] = [
     "server_model_errors",
     "server_isq",
     "server_options",
+    "decode_graphs",
 ];
 
 /// The newest executable `deps/{name}-{16 hex digits}` of a target folder.

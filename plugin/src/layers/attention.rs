@@ -102,6 +102,11 @@ impl GatedAttention {
         self.o_proj.host_layers_mut(out);
     }
 
+    /// Whether it was built for the host's paged KV blocks.
+    pub fn is_paged(&self) -> bool {
+        self.paged.is_some()
+    }
+
     /// Its full-precision tensors under their checkpoint names.
     pub fn checkpoint_tensors(&self, out: &mut Vec<(String, Tensor)>) -> Result<()> {
         self.qkv_proj.full_precision_tensors(out)?;
@@ -122,11 +127,12 @@ impl GatedAttention {
         flash_params: &FlashParams,
     ) -> Result<Tensor> {
         let (batch, seq_len, _) = x.dims3()?;
-        // Views of the stacked projection's columns (contiguous for one token).
+        // The stacked projection's columns: views, contiguous for one token
+        // and copied for several (by a kernel a decode graph can capture).
         let projected = self.qkv_proj.forward(x)?;
-        let q_all = projected.part(0)?;
-        let k = projected.part(1)?;
-        let v = projected.part(2)?;
+        let q_all = berrylm_kernels::contiguous(&projected.part(0)?)?;
+        let k = berrylm_kernels::contiguous(&projected.part(1)?)?;
+        let v = berrylm_kernels::contiguous(&projected.part(2)?)?;
         let (q, gate) = if self.output_gate {
             let q2 = q_all.reshape((batch, seq_len, self.num_heads, 2 * self.head_dim))?;
             // Views whose heads lie 2 * head_dim apart, read in place by the
@@ -165,9 +171,9 @@ impl GatedAttention {
                     self.causal_attention(&q, &k, &v)?
                 } else {
                     paged.forward(
-                        &q.contiguous()?,
-                        &k.contiguous()?,
-                        &v.contiguous()?,
+                        &berrylm_kernels::contiguous(&q)?,
+                        &berrylm_kernels::contiguous(&k)?,
+                        &berrylm_kernels::contiguous(&v)?,
                         mask,
                         Some(key_value.0),
                         Some(key_value.1),

@@ -156,11 +156,12 @@ impl Kda {
         let value_dim = self.num_value_heads * self.value_head_dim;
 
         // Views of the stacked projection's columns (contiguous for one
-        // token), or for prompts each its own tensor: no kernel below copies
-        // them.
+        // token), or for prompts each its own tensor: the kernels below read
+        // them in place; `z`, reshaped, is copied when it is a view of
+        // several rows (by a kernel a decode graph can capture).
         let projected = self.in_proj.forward(x)?;
         let mixed = projected.part(0)?;
-        let z = projected.part(1)?;
+        let z = berrylm_kernels::contiguous(&projected.part(1)?)?;
         let b = projected.part(2)?;
         let gate_down = projected.part(3)?;
         let beta = berrylm_kernels::kda_beta(&b)?;

@@ -102,17 +102,21 @@ impl Linear {
 
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        // A view of several rows (a column slice of a stacked projection's
+        // output) is copied first by BerryLM's kernel: the products below
+        // would copy it with candle's, which uploads the view's layout from
+        // host memory, a copy a decode graph cannot capture.
+        let x = berrylm_kernels::contiguous(x)?;
         // Up to 8 rows on CUDA (decode) take the host's GEMV kernel, as the
         // host's own linear layers do: one launch, cheaper for the host to
         // dispatch than a cuBLAS product (docs/performance.md). That kernel
-        // reads pairs of elements, so a view (a column slice of a stacked
-        // projection) must start at an even element.
+        // reads pairs of elements, so a view must start at an even element.
         #[cfg(feature = "cuda")]
-        if mistralrs_quant::should_use_gemv(x, &self.weight)
+        if mistralrs_quant::should_use_gemv(&x, &self.weight)
             && x.layout().start_offset().is_multiple_of(2)
         {
-            return mistralrs_quant::gemv(x, &self.weight, self.bias.as_ref());
+            return mistralrs_quant::gemv(&x, &self.weight, self.bias.as_ref());
         }
-        matmul_add(x, &self.weight.t()?, self.bias.as_ref())
+        matmul_add(&x, &self.weight.t()?, self.bias.as_ref())
     }
 }

@@ -242,7 +242,9 @@ impl HostLayer {
                     None => y,
                 }
             }
-            _ => self.layer.forward_autocast(&rows.contiguous()?)?,
+            _ => self
+                .layer
+                .forward_autocast(&berrylm_kernels::contiguous(&rows)?)?,
         };
         if let Some(last) = dims.last_mut() {
             *last = self.out_dim;

@@ -1,0 +1,518 @@
+//! CUDA graphs of decode steps: a step's thousand-odd kernel launches
+//! replayed with one call, so that batch-1 decode stops waiting for the host
+//! CPU to queue them (docs/performance.md).
+//!
+//! A decode step under paged attention in half precision (every sequence
+//! feeding one token) is keyed by its number of sequences and its longest
+//! context rounded up to a power of two ([`GraphKey`]). The first step of a
+//! key runs eagerly (it loads every kernel and library handle it uses); the
+//! second is captured: the decoder layers, the final norm and the LM head
+//! run once on the stream in capture mode, reading fixed device buffers
+//! ([`StaticBuffers`]: the embedded tokens, their rotary rows, the
+//! recurrent slots, the paged KV slots, block tables and context lengths)
+//! and writing the logits into a fixed one. Every later step of the key
+//! copies its own inputs into those buffers, replays the graph and returns
+//! a copy of the logits. What the host computes for a step (the embedding
+//! gather, the rotary rows, the recurrent pools' token counts) stays outside
+//! the graph, as does everything with other shapes: prompts, f32 models,
+//! batches above [`MAX_BATCH`], steps without paged attention.
+//!
+//! A capture that fails (an operation the stream cannot record) is logged
+//! once and its key runs eagerly from then on; the replayed logits equal the
+//! eager ones bit for bit (the same kernels on the same values:
+//! `tests/tests/decode_graphs.rs`).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph, CudaStream};
+use candle_core::{DType, Device, Result, Tensor};
+use mistralrs_core::plugin_api::{FlashParams, HybridCache, PagedAttentionInputMetadata};
+
+use crate::model::{
+    advance_recurrent_offsets, BerryLm, ForwardBatch, PagedKv, RecurrentSlots, StepInputs,
+};
+
+/// The most sequences a decode graph takes: the batches whose projections
+/// and LM head run the GEMV kernels. Larger ones (cuBLAS products) run
+/// eagerly: replayed on the 8-layer BerryLM-OS-shaped model, a 64-sequence
+/// graph gave NaN logits after some steps (docs/performance.md, known gaps).
+pub const MAX_BATCH: usize = 8;
+
+/// The most graphs kept; the one replayed least recently goes first.
+const MAX_GRAPHS: usize = 64;
+
+/// The smallest context a key rounds up to, in tokens (the partition size of
+/// the host's paged attention kernel).
+const MIN_CONTEXT: usize = 512;
+
+const MIB: f64 = (1u64 << 20) as f64;
+
+/// What a decode graph is captured for: the batch's sequences and the
+/// longest context it attends over (the paged attention kernel's launch
+/// depends on it), rounded up to a power of two of at least [`MIN_CONTEXT`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct GraphKey {
+    rows: usize,
+    context: usize,
+}
+
+/// The decode graphs of one model, with what is known of each key.
+pub struct DecodeGraphs {
+    table: Mutex<GraphTable>,
+}
+
+#[derive(Default)]
+struct GraphTable {
+    entries: HashMap<GraphKey, Entry>,
+    /// Counts replays, for the least recently replayed graph.
+    clock: u64,
+}
+
+enum Entry {
+    /// Run eagerly once: captured at the next step.
+    WarmedUp,
+    Captured(Box<DecodeGraph>),
+    /// The capture failed: runs eagerly.
+    Failed,
+}
+
+struct DecodeGraph {
+    graph: ExecutableGraph,
+    buffers: StaticBuffers,
+    last_replay: u64,
+}
+
+/// An instantiated graph, launched on the stream it was captured on.
+struct ExecutableGraph(CudaGraph);
+
+// SAFETY: a CUDA graph and its executable are driver handles any thread may
+// use once the context is bound, which `CudaGraph::launch` does; the table
+// holding them is behind a mutex, so one thread launches or drops one at a
+// time.
+unsafe impl Send for ExecutableGraph {}
+
+/// The device buffers a graph reads and writes, at fixed addresses.
+struct StaticBuffers {
+    inputs: StepInputs,
+    /// `[B]` u32 recurrent slots.
+    slots: Tensor,
+    /// The paged KV slot of each sequence's new token (the host's dtype).
+    slot_mapping: Tensor,
+    /// `[B, context / block_size]` u32.
+    block_tables: Tensor,
+    /// `[B]` u32.
+    context_lens: Tensor,
+    /// `[B, 1, vocab]`.
+    logits: Tensor,
+}
+
+/// The paged attention tensors of a decode step, as the host's decode
+/// kernel reads them (the unwindowed ones when the host gives both).
+struct PagedStep<'a> {
+    slot_mapping: &'a Tensor,
+    block_tables: &'a Tensor,
+    context_lens: &'a Tensor,
+    max_context_len: usize,
+}
+
+impl<'a> PagedStep<'a> {
+    fn of(metadata: &'a PagedAttentionInputMetadata, device: &Device) -> Option<PagedStep<'a>> {
+        let location = device.location();
+        let (block_tables, context_lens, max_context_len) = match &metadata.full_block_tables {
+            Some(tables) => (
+                tables.get(&location)?,
+                metadata.full_context_lens.as_ref()?.get(&location)?,
+                metadata.full_max_context_len?,
+            ),
+            None => (
+                metadata.block_tables.as_ref()?.get(&location)?,
+                metadata.context_lens.as_ref()?.get(&location)?,
+                metadata.max_context_len?,
+            ),
+        };
+        Some(PagedStep {
+            slot_mapping: metadata.slot_mappings.get(&location)?,
+            block_tables,
+            context_lens,
+            max_context_len,
+        })
+    }
+}
+
+impl Default for DecodeGraphs {
+    fn default() -> Self {
+        DecodeGraphs::new()
+    }
+}
+
+impl DecodeGraphs {
+    pub fn new() -> DecodeGraphs {
+        DecodeGraphs {
+            table: Mutex::new(GraphTable::default()),
+        }
+    }
+
+    /// Decode steps replayed so far.
+    pub fn replays(&self) -> u64 {
+        self.table.lock().map_or(0, |table| table.clock)
+    }
+
+    /// The logits `[B, 1, vocab]` of the decode step `batch` replayed from
+    /// its graph (captured first if this is the key's second step), with the
+    /// caches updated as the eager forward updates them; `None` when the
+    /// step is for the eager forward (not a decode step graphs take, the
+    /// key's first step, or a key whose capture failed).
+    pub fn forward(
+        &self,
+        model: &BerryLm,
+        batch: &ForwardBatch<'_>,
+        cache: &mut HybridCache,
+        paged: &PagedKv<'_>,
+        flash_params: &FlashParams,
+    ) -> Result<Option<Tensor>> {
+        let Device::Cuda(cuda) = model.device() else {
+            return Ok(None);
+        };
+        let Some(step) = PagedStep::of(paged.metadata, model.device()) else {
+            return Ok(None);
+        };
+        let Some(key) = graph_key(model, batch, paged, &step)? else {
+            return Ok(None);
+        };
+        let mut table = self
+            .table
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("the decode graph table is poisoned".into()))?;
+        match table.entries.get(&key) {
+            None => {
+                table.entries.insert(key, Entry::WarmedUp);
+                return Ok(None);
+            }
+            Some(Entry::Failed) => return Ok(None),
+            Some(Entry::WarmedUp | Entry::Captured(_)) => {}
+        }
+
+        model.check_batch(batch, true)?;
+        let slots = model.recurrent_slots(cache, key.rows)?;
+        if let Some(slots) = &slots {
+            check_distinct(&slots.host)?;
+        }
+        let inputs = model.step_inputs(batch)?;
+        let stream = cuda.cuda_stream();
+        if matches!(table.entries.get(&key), Some(Entry::WarmedUp)) {
+            let started = Instant::now();
+            let captured = block_size(paged)
+                .and_then(|block_size| {
+                    StaticBuffers::new(model, key, &inputs, slots.as_ref(), &step, block_size)
+                })
+                .and_then(|buffers| {
+                    let host_slots = slots.as_ref().map(|slots| slots.host.as_slice());
+                    let graph = capture(
+                        model,
+                        &stream,
+                        &buffers,
+                        host_slots,
+                        cache,
+                        paged,
+                        flash_params,
+                    )?;
+                    Ok(DecodeGraph {
+                        graph: ExecutableGraph(graph),
+                        buffers,
+                        last_replay: 0,
+                    })
+                });
+            match captured {
+                Ok(graph) => {
+                    table.insert_captured(key, graph);
+                    log_capture(&table, key, started, &stream);
+                }
+                Err(error) => {
+                    // A failed capture may leave an error recorded by a
+                    // buffer freed while the stream captured: clear it.
+                    let _ = stream.context().check_err();
+                    tracing::warn!(
+                        "BerryLM: decode steps of {} sequences (context up to {} tokens) \
+                         run without a CUDA graph: capturing one failed: {error}",
+                        key.rows,
+                        key.context
+                    );
+                    table.entries.insert(key, Entry::Failed);
+                    return Ok(None);
+                }
+            }
+        }
+        table.clock += 1;
+        let clock = table.clock;
+        let Some(Entry::Captured(graph)) = table.entries.get_mut(&key) else {
+            candle_core::bail!("the decode graph of {key:?} is missing")
+        };
+        graph.last_replay = clock;
+        graph.buffers.load(&inputs, slots.as_ref(), &step)?;
+        graph.graph.0.launch().map_err(driver_error)?;
+        if let Some(slots) = &slots {
+            advance_recurrent_offsets(cache, &slots.host, batch);
+        }
+        Ok(Some(graph.buffers.logits.copy()?))
+    }
+}
+
+impl GraphTable {
+    /// Keeps `graph` for `key`, dropping the least recently replayed graph
+    /// beyond [`MAX_GRAPHS`] (its key is captured again when it next comes).
+    fn insert_captured(&mut self, key: GraphKey, graph: DecodeGraph) {
+        self.entries.insert(key, Entry::Captured(Box::new(graph)));
+        if self.captured().count() <= MAX_GRAPHS {
+            return;
+        }
+        let oldest = self
+            .captured()
+            .filter(|(other, _)| **other != key)
+            .min_by_key(|(_, graph)| graph.last_replay)
+            .map(|(other, _)| *other);
+        if let Some(oldest) = oldest {
+            self.entries.insert(oldest, Entry::WarmedUp);
+        }
+    }
+
+    fn captured(&self) -> impl Iterator<Item = (&GraphKey, &DecodeGraph)> {
+        self.entries.iter().filter_map(|(key, entry)| match entry {
+            Entry::Captured(graph) => Some((key, graph.as_ref())),
+            _ => None,
+        })
+    }
+}
+
+/// The key of a decode step graphs take: every sequence feeding one token
+/// in half precision, at most [`MAX_BATCH`] of them, under paged attention
+/// without a cached prefix to gather.
+fn graph_key(
+    model: &BerryLm,
+    batch: &ForwardBatch<'_>,
+    paged: &PagedKv<'_>,
+    step: &PagedStep<'_>,
+) -> Result<Option<GraphKey>> {
+    let (rows, seq_len) = batch.input_ids.dims2()?;
+    let takes = seq_len == 1
+        && (1..=MAX_BATCH).contains(&rows)
+        && batch.token_counts.iter().all(|&count| count == 1)
+        && model.dtype() != DType::F32
+        && !paged.metadata.is_first_prompt_chunk
+        && paged.metadata.num_cached_tokens.is_none()
+        && paged.blocks.len() == model.config().num_full_attention_layers();
+    if !takes {
+        return Ok(None);
+    }
+    let context = step
+        .max_context_len
+        .max(MIN_CONTEXT)
+        .checked_next_power_of_two()
+        .ok_or_else(|| candle_core::Error::Msg("a decode context beyond usize".into()))?;
+    Ok(Some(GraphKey { rows, context }))
+}
+
+/// The tokens of a paged KV block (the key cache is `[blocks, kv_heads,
+/// head_dim / x, block_size, x]`).
+fn block_size(paged: &PagedKv<'_>) -> Result<usize> {
+    match paged.blocks.first() {
+        Some((key_cache, _)) => key_cache.dim(3),
+        None => candle_core::bail!("a decode graph needs the attention layers' paged KV blocks"),
+    }
+}
+
+/// Fails if a slot appears twice (the kernels check it on every eager call;
+/// a replay checks nothing on the device).
+fn check_distinct(slots: &[u32]) -> Result<()> {
+    let mut sorted = slots.to_vec();
+    sorted.sort_unstable();
+    match sorted.windows(2).find(|pair| pair[0] == pair[1]) {
+        Some(pair) => candle_core::bail!(
+            "BerryLM forward: recurrent state slot {} is given to two sequences",
+            pair[0]
+        ),
+        None => Ok(()),
+    }
+}
+
+impl StaticBuffers {
+    /// Buffers of `key`'s shapes, like `inputs`, `slots` and `step`'s.
+    fn new(
+        model: &BerryLm,
+        key: GraphKey,
+        inputs: &StepInputs,
+        slots: Option<&RecurrentSlots>,
+        step: &PagedStep<'_>,
+        block_size: usize,
+    ) -> Result<StaticBuffers> {
+        let like = |tensor: &Tensor| tensor.zeros_like();
+        let block_tables = Tensor::zeros(
+            (key.rows, key.context.div_ceil(block_size)),
+            step.block_tables.dtype(),
+            model.device(),
+        )?;
+        let slots = match slots {
+            Some(slots) => like(&slots.indices)?,
+            None => Tensor::zeros(key.rows, DType::U32, model.device())?,
+        };
+        Ok(StaticBuffers {
+            inputs: StepInputs {
+                embedded: like(&inputs.embedded)?,
+                cos: like(&inputs.cos)?,
+                sin: like(&inputs.sin)?,
+            },
+            slots,
+            slot_mapping: like(&step.slot_mapping.flatten_all()?)?,
+            block_tables,
+            context_lens: like(step.context_lens)?,
+            logits: Tensor::zeros(
+                (key.rows, 1, model.config().vocab_size),
+                model.dtype(),
+                model.device(),
+            )?,
+        })
+    }
+
+    /// Copies a step's inputs into the buffers (on the stream, before the
+    /// replay): the block tables into their leftmost columns.
+    fn load(
+        &self,
+        inputs: &StepInputs,
+        slots: Option<&RecurrentSlots>,
+        step: &PagedStep<'_>,
+    ) -> Result<()> {
+        self.inputs.embedded.slice_set(&inputs.embedded, 0, 0)?;
+        self.inputs.cos.slice_set(&inputs.cos, 0, 0)?;
+        self.inputs.sin.slice_set(&inputs.sin, 0, 0)?;
+        if let Some(slots) = slots {
+            self.slots.slice_set(&slots.indices, 0, 0)?;
+        }
+        self.slot_mapping
+            .slice_set(&step.slot_mapping.flatten_all()?, 0, 0)?;
+        self.block_tables.slice_set(step.block_tables, 1, 0)?;
+        self.context_lens.slice_set(step.context_lens, 0, 0)
+    }
+
+    /// The paged attention metadata of the capture: the step's, reading the
+    /// buffers, with the key's context as the longest.
+    fn metadata(
+        &self,
+        step: &PagedAttentionInputMetadata,
+        device: &Device,
+        context: usize,
+    ) -> PagedAttentionInputMetadata {
+        let on_device =
+            |tensor: &Tensor| Some(HashMap::from([(device.location(), tensor.clone())]));
+        let mut metadata = step.clone();
+        metadata.slot_mappings = HashMap::from([(device.location(), self.slot_mapping.clone())]);
+        metadata.block_tables = on_device(&self.block_tables);
+        metadata.full_block_tables = on_device(&self.block_tables);
+        metadata.context_lens = on_device(&self.context_lens);
+        metadata.full_context_lens = on_device(&self.context_lens);
+        metadata.max_context_len = Some(context);
+        metadata.full_max_context_len = Some(context);
+        metadata
+    }
+
+    fn bytes(&self) -> usize {
+        [
+            &self.inputs.embedded,
+            &self.inputs.cos,
+            &self.inputs.sin,
+            &self.slots,
+            &self.slot_mapping,
+            &self.block_tables,
+            &self.context_lens,
+            &self.logits,
+        ]
+        .iter()
+        .map(|tensor| tensor.elem_count() * tensor.dtype().size_in_bytes())
+        .sum()
+    }
+}
+
+/// Records the decode step over `buffers` on `stream` and instantiates it.
+/// Nothing runs: the stream only records (its other work waits until the
+/// capture ends, whether it succeeds or not).
+/// `host_slots` are the step's recurrent slots (the kernels check them as
+/// they record; the graph reads the slots from the buffer).
+fn capture(
+    model: &BerryLm,
+    stream: &Arc<CudaStream>,
+    buffers: &StaticBuffers,
+    host_slots: Option<&[u32]>,
+    cache: &mut HybridCache,
+    paged: &PagedKv<'_>,
+    flash_params: &FlashParams,
+) -> Result<CudaGraph> {
+    let rows = buffers.slots.dim(0)?;
+    let context = buffers.block_tables.dim(1)? * block_size(paged)?;
+    let metadata = buffers.metadata(paged.metadata, model.device(), context);
+    let slots = host_slots.map(|host| RecurrentSlots {
+        indices: buffers.slots.clone(),
+        host: host.to_vec(),
+    });
+    let token_counts = vec![1; rows];
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(driver_error)?;
+    // Every tensor this allocates is freed before the capture ends.
+    let recorded = (|| -> Result<()> {
+        let hidden = model.run_layers(
+            &buffers.inputs,
+            &token_counts,
+            slots.as_ref(),
+            cache,
+            Some(PagedKv {
+                blocks: paged.blocks,
+                metadata: &metadata,
+            }),
+            None,
+            flash_params,
+            None,
+        )?;
+        buffers.logits.slice_set(&model.logits(&hidden)?, 0, 0)
+    })();
+    let graph = stream.end_capture(
+        sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
+    );
+    recorded?;
+    graph
+        .map_err(driver_error)?
+        .ok_or_else(|| candle_core::Error::Msg("the capture recorded no work".into()))
+}
+
+/// Logs a capture: its time, and the memory every graph holds.
+fn log_capture(table: &GraphTable, key: GraphKey, started: Instant, stream: &CudaStream) {
+    let (count, buffer_bytes) = table.captured().fold((0, 0), |(count, bytes), (_, graph)| {
+        (count + 1, bytes + graph.buffers.bytes())
+    });
+    let mut reserved: u64 = 0;
+    // SAFETY: the attribute is a u64 written to `reserved`, for the stream's
+    // device.
+    let status = unsafe {
+        sys::cuDeviceGetGraphMemAttribute(
+            stream.context().cu_device(),
+            sys::CUgraphMem_attribute::CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT,
+            (&mut reserved as *mut u64).cast(),
+        )
+    };
+    let graph_memory = if status == sys::CUresult::CUDA_SUCCESS {
+        format!("{:.1} MiB", reserved as f64 / MIB)
+    } else {
+        format!("unknown ({status:?})")
+    };
+    tracing::info!(
+        "BerryLM: captured the decode graph of {} sequences (context up to {} tokens) in {:.0} ms; \
+         {count} graphs hold {graph_memory} of graph memory and {:.1} MiB of input and output buffers",
+        key.rows,
+        key.context,
+        started.elapsed().as_secs_f64() * 1e3,
+        buffer_bytes as f64 / MIB,
+    );
+}
+
+fn driver_error(error: impl std::fmt::Debug) -> candle_core::Error {
+    candle_core::Error::Msg(format!("CUDA graph: {error:?}"))
+}
