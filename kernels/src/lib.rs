@@ -96,8 +96,8 @@ pub use moe::{moe_experts, moe_experts_quantized, moe_experts_with, MoeExpertsAl
 pub use norm::{add_offset_rms_norm, gated_rms_norm, offset_rms_norm};
 pub use quantized::{quantized_matmul, quantized_matmul_with_dense, takes_gguf_dtype};
 pub use recurrence::{
-    kda_recurrence, kda_recurrence_in_pool_with, kda_recurrence_with, KdaPrefillAlgorithm,
-    StatePool,
+    kda_recurrence, kda_recurrence_in_pool_with, kda_recurrence_with, repeated_slot,
+    KdaPrefillAlgorithm, StatePool,
 };
 pub use rope::offset_rms_norm_rope;
 pub use route::moe_route;

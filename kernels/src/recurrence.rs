@@ -336,16 +336,25 @@ fn validate_slots(
             format!("slot {slot} is out of range for a pool of {pool_rows} rows"),
         ));
     }
-    let mut sorted = host_slots.to_vec();
-    sorted.sort_unstable();
-    if let Some(pair) = sorted.windows(2).find(|pair| pair[0] == pair[1]) {
+    if let Some(slot) = repeated_slot(host_slots) {
         return Err(invalid_argument(
             op,
             "host_slots",
-            format!("slot {} appears more than once", pair[0]),
+            format!("slot {slot} appears more than once"),
         ));
     }
     Ok(())
+}
+
+/// A slot that `host_slots` gives more than one sequence, if any (the
+/// in-pool kernels take each sequence's state row once).
+pub fn repeated_slot(host_slots: &[u32]) -> Option<u32> {
+    let mut sorted = host_slots.to_vec();
+    sorted.sort_unstable();
+    sorted
+        .windows(2)
+        .find(|pair| pair[0] == pair[1])
+        .map(|pair| pair[0])
 }
 
 fn validate(tokens: &KdaTokens<'_>, state: &Tensor) -> Result<RecurrenceDims> {

@@ -95,6 +95,8 @@ unsafe impl Send for ExecutableGraph {}
 
 /// The device buffers a graph reads and writes, at fixed addresses.
 struct StaticBuffers {
+    /// What they are shaped for.
+    key: GraphKey,
     inputs: StepInputs,
     /// `[B]` u32 recurrent slots.
     slots: Tensor,
@@ -196,8 +198,15 @@ impl DecodeGraphs {
 
         model.check_batch(batch, true)?;
         let slots = model.recurrent_slots(cache, key.rows)?;
-        if let Some(slots) = &slots {
-            check_distinct(&slots.host)?;
+        if let Some(slot) = slots
+            .as_ref()
+            .and_then(|slots| berrylm_kernels::repeated_slot(&slots.host))
+        {
+            // The kernels check it on every eager call; a replay checks
+            // nothing on the device.
+            candle_core::bail!(
+                "BerryLM forward: recurrent state slot {slot} is given to two sequences"
+            );
         }
         let inputs = model.step_inputs(batch)?;
         let stream = cuda.cuda_stream();
@@ -322,20 +331,6 @@ fn block_size(paged: &PagedKv<'_>) -> Result<usize> {
     }
 }
 
-/// Fails if a slot appears twice (the kernels check it on every eager call;
-/// a replay checks nothing on the device).
-fn check_distinct(slots: &[u32]) -> Result<()> {
-    let mut sorted = slots.to_vec();
-    sorted.sort_unstable();
-    match sorted.windows(2).find(|pair| pair[0] == pair[1]) {
-        Some(pair) => candle_core::bail!(
-            "BerryLM forward: recurrent state slot {} is given to two sequences",
-            pair[0]
-        ),
-        None => Ok(()),
-    }
-}
-
 impl StaticBuffers {
     /// Buffers of `key`'s shapes, like `inputs`, `slots` and `step`'s.
     fn new(
@@ -357,6 +352,7 @@ impl StaticBuffers {
             None => Tensor::zeros(key.rows, DType::U32, model.device())?,
         };
         Ok(StaticBuffers {
+            key,
             inputs: StepInputs {
                 embedded: like(&inputs.embedded)?,
                 cos: like(&inputs.cos)?,
@@ -400,8 +396,8 @@ impl StaticBuffers {
         &self,
         step: &PagedAttentionInputMetadata,
         device: &Device,
-        context: usize,
     ) -> PagedAttentionInputMetadata {
+        let context = self.key.context;
         let on_device =
             |tensor: &Tensor| Some(HashMap::from([(device.location(), tensor.clone())]));
         let mut metadata = step.clone();
@@ -446,14 +442,12 @@ fn capture(
     paged: &PagedKv<'_>,
     flash_params: &FlashParams,
 ) -> Result<CudaGraph> {
-    let rows = buffers.slots.dim(0)?;
-    let context = buffers.block_tables.dim(1)? * block_size(paged)?;
-    let metadata = buffers.metadata(paged.metadata, model.device(), context);
+    let metadata = buffers.metadata(paged.metadata, model.device());
     let slots = host_slots.map(|host| RecurrentSlots {
         indices: buffers.slots.clone(),
         host: host.to_vec(),
     });
-    let token_counts = vec![1; rows];
+    let token_counts = vec![1; buffers.key.rows];
     stream
         .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
         .map_err(driver_error)?;

@@ -180,24 +180,29 @@ impl<'m> Driver<'m> {
         chunks: &[&[u32]],
         layer_outputs: Option<&mut Vec<Tensor>>,
     ) -> Result<Tensor> {
-        let hidden = self.forward_hidden(chunks, layer_outputs)?;
+        let hidden = match self.run(chunks, layer_outputs, false)? {
+            StepOutput::Hidden(hidden) => hidden,
+            StepOutput::Logits(_) => {
+                anyhow::bail!("a step asked for hidden states replayed a graph")
+            }
+        };
         Ok(self.model.logits(&hidden)?.to_dtype(DType::F32)?)
     }
 
     /// Like [`Driver::step`], but with the LM head on each sequence's last position
-    /// only, as the engine does: returns logits `[B, vocab]`.
+    /// only, as the engine does (a decode step replayed from its CUDA graph
+    /// when the driver has graphs and the step is one they take): returns
+    /// logits `[B, vocab]`.
     pub fn step_last(&mut self, chunks: &[&[u32]]) -> Result<Tensor> {
-        #[cfg(feature = "cuda")]
-        if let Some(logits) = self.replay_decode_step(chunks)? {
-            return Ok(logits.squeeze(1)?.to_dtype(DType::F32)?);
-        }
-        let hidden = self.forward_hidden(chunks, None)?;
-        // Contiguous, as the engine's gather of the last positions is: CUDA's
-        // matmul takes no strided rows.
-        let last = hidden
-            .narrow(1, hidden.dim(1)? - 1, 1)?
-            .squeeze(1)?
-            .contiguous()?;
+        let last = match self.run(chunks, None, true)? {
+            StepOutput::Logits(logits) => return Ok(logits.squeeze(1)?.to_dtype(DType::F32)?),
+            // Contiguous, as the engine's gather of the last positions is:
+            // CUDA's matmul takes no strided rows.
+            StepOutput::Hidden(hidden) => hidden
+                .narrow(1, hidden.dim(1)? - 1, 1)?
+                .squeeze(1)?
+                .contiguous()?,
+        };
         Ok(self.model.logits(&last)?.to_dtype(DType::F32)?)
     }
 
@@ -210,47 +215,15 @@ impl<'m> Driver<'m> {
         0
     }
 
-    /// The logits `[B, 1, vocab]` of a decode step replayed from its CUDA
-    /// graph, when the driver has graphs and the step is one they take.
-    #[cfg(feature = "cuda")]
-    fn replay_decode_step(&mut self, chunks: &[&[u32]]) -> Result<Option<Tensor>> {
-        let (Some(graphs), Some(paged)) = (&self.decode_graphs, &self.paged) else {
-            return Ok(None);
-        };
-        let input_ids = input_ids(chunks, self.model.device())?;
-        let len = input_ids.dim(1)?;
-        let metadata = paged.metadata(&self.offsets, len, self.model.device())?;
-        let counts = vec![len; chunks.len()];
-        let batch = ForwardBatch {
-            input_ids: &input_ids,
-            seqlen_offsets: &self.offsets,
-            token_counts: &counts,
-        };
-        let kv = PagedKv {
-            blocks: &paged.blocks,
-            metadata: &metadata,
-        };
-        let logits = graphs.forward(
-            self.model,
-            &batch,
-            &mut self.cache,
-            &kv,
-            &FlashParams::empty(true),
-        )?;
-        if logits.is_some() {
-            for offset in &mut self.offsets {
-                *offset += len;
-            }
-        }
-        Ok(logits)
-    }
-
-    /// Runs the decoder on one chunk per sequence; returns the final-normed hidden states.
-    fn forward_hidden(
+    /// Feeds one chunk per sequence: the logits `[B, 1, vocab]` of a decode
+    /// step replayed from its graph (with `replay`, when the driver has
+    /// graphs and they take the step), else the final-normed hidden states.
+    fn run(
         &mut self,
         chunks: &[&[u32]],
         layer_outputs: Option<&mut Vec<Tensor>>,
-    ) -> Result<Tensor> {
+        #[cfg_attr(not(feature = "cuda"), allow(unused_variables))] replay: bool,
+    ) -> Result<StepOutput> {
         let input_ids = input_ids(chunks, self.model.device())?;
         let len = input_ids.dim(1)?;
         let counts = vec![len; chunks.len()];
@@ -272,17 +245,30 @@ impl<'m> Driver<'m> {
                 blocks: &paged.blocks,
                 metadata,
             });
-        let hidden = self.model.forward_hidden(
-            &batch,
-            &mut self.cache,
-            paged,
-            &FlashParams::empty(true),
-            layer_outputs,
-        )?;
+        let flash_params = FlashParams::empty(true);
+        #[cfg(feature = "cuda")]
+        let replayed = match (&self.decode_graphs, &paged) {
+            (Some(graphs), Some(kv)) if replay => {
+                graphs.forward(self.model, &batch, &mut self.cache, kv, &flash_params)?
+            }
+            _ => None,
+        };
+        #[cfg(not(feature = "cuda"))]
+        let replayed = None;
+        let output = match replayed {
+            Some(logits) => StepOutput::Logits(logits),
+            None => StepOutput::Hidden(self.model.forward_hidden(
+                &batch,
+                &mut self.cache,
+                paged,
+                &flash_params,
+                layer_outputs,
+            )?),
+        };
         for offset in &mut self.offsets {
             *offset += len;
         }
-        Ok(hidden)
+        Ok(output)
     }
 
     /// Feeds one sequence in chunks of the given sizes; returns `[T, vocab]` logits.
@@ -308,6 +294,14 @@ impl<'m> Driver<'m> {
         );
         Ok(Tensor::cat(&logits, 0)?)
     }
+}
+
+/// What [`Driver::run`] gives for a step.
+enum StepOutput {
+    /// The final-normed hidden states `[B, T, hidden]`.
+    Hidden(Tensor),
+    /// The logits `[B, 1, vocab]` of a decode step replayed from its graph.
+    Logits(Tensor),
 }
 
 /// The chunks (one per sequence, all the same length) as `[B, T]` token ids.
