@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::str::FromStr;
 
 use anyhow::{Context, Result};
+use berrylm::graph_batches::GraphBatches;
 use candle_core::{DType, Device};
 use clap::builder::RangedU64ValueParser;
 use clap::error::ErrorKind;
@@ -44,6 +45,10 @@ struct Cli {
     /// the server's are); paged and graphs need --device cuda.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "contiguous")]
     decode_kv: Vec<DecodeKv>,
+    /// The batch sizes `--decode-kv graphs` replays from graphs (sizes and
+    /// ranges, `1-8,16`); others run eagerly. Default: the server's.
+    #[arg(long, default_value = "standard", value_name = "LIST")]
+    graph_batches: GraphBatches,
     /// Tokens prefilled per sequence before decoding.
     #[arg(long, default_value_t = 128, value_parser = positive())]
     context: usize,
@@ -198,6 +203,7 @@ pub struct Args {
     pub prefill: Vec<usize>,
     pub decode: Vec<usize>,
     pub decode_kv: Vec<DecodeKv>,
+    pub graph_batches: GraphBatches,
     pub context: usize,
     pub steps: usize,
     pub warmup: usize,
@@ -262,6 +268,7 @@ impl Cli {
             prefill: self.prefill.0,
             decode: self.decode.0,
             decode_kv: self.decode_kv,
+            graph_batches: self.graph_batches,
             context: self.context,
             steps: self.steps,
             warmup: self.warmup,
@@ -331,6 +338,9 @@ mod tests {
         assert_eq!(args.save_checkpoint, Some(PathBuf::from("/tmp/ck")));
         let args = Args::try_parse(["--device", "cuda", "--decode-kv", "paged,graphs"]).unwrap();
         assert_eq!(args.decode_kv, vec![DecodeKv::Paged, DecodeKv::Graphs]);
+        assert_eq!(args.graph_batches, GraphBatches::standard());
+        let args = Args::try_parse(["--graph-batches", "1-2,16"]).unwrap();
+        assert_eq!(args.graph_batches.sizes().collect::<Vec<_>>(), [1, 2, 16]);
         assert!(Args::try_parse(["--prefill", "none"])
             .unwrap()
             .prefill
@@ -353,6 +363,8 @@ mod tests {
             &["--decode", "1,x"],
             &["--device", "cpu", "--decode-kv", "paged"],
             &["--device", "cuda", "--decode-kv", "pages"],
+            &["--graph-batches", "0"],
+            &["--graph-batches", "300"],
             &["--isq", "q9"],
             &["--tiny=1"],
             &["--frobnicate"],

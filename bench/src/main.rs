@@ -21,6 +21,7 @@ mod checkpoint;
 mod measure;
 mod shape;
 
+use std::collections::HashMap;
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -371,18 +372,44 @@ impl Bench<'_> {
              KV read, at the copy bandwidth, experts assuming uniform routing)"
         );
         println!(
-            "| batch | KV | ms/step (mean) | ms/step (median) | CPU dispatch ms/step | tokens/s | \
-             weights read MiB | state MiB | floor ms | floor / measured |"
+            "A graphs row's last column compares its last step's logits with the paged row's of \
+             the same batch (the same tokens, run eagerly): `identical` bit for bit."
         );
-        println!("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+        println!(
+            "| batch | KV | ms/step (mean) | ms/step (median) | CPU dispatch ms/step | tokens/s | \
+             weights read MiB | state MiB | floor ms | floor / measured | logits vs paged |"
+        );
+        println!("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|");
         let mut figures = Vec::new();
+        // The last logits of each batch's eager paged run.
+        let mut paged_logits: HashMap<usize, Vec<f32>> = HashMap::new();
         let runs = args
             .decode
             .iter()
             .flat_map(|&batch| args.decode_kv.iter().map(move |&kv| (batch, kv)));
         for (batch, kv) in runs {
-            match measure::decode(model, batch, kv, context, warmup, steps, args.seed) {
+            let run = measure::decode(
+                model,
+                batch,
+                kv,
+                &args.graph_batches,
+                context,
+                warmup,
+                steps,
+                args.seed,
+            );
+            match run {
                 Ok(times) => {
+                    let against_paged = match kv {
+                        DecodeKv::Paged => {
+                            paged_logits.insert(batch, times.last_logits.clone());
+                            None
+                        }
+                        DecodeKv::Graphs => paged_logits
+                            .get(&batch)
+                            .map(|paged| logits_difference(&times.last_logits, paged)),
+                        DecodeKv::Contiguous => None,
+                    };
                     let seconds = &times.total;
                     let step_ms: Vec<f64> = seconds.iter().map(|s| s * 1e3).collect();
                     let (mean_s, median_s) = (mean(seconds), median(seconds));
@@ -396,7 +423,7 @@ impl Bench<'_> {
                         _ => kv.name().to_string(),
                     };
                     println!(
-                        "| {batch} | {kv_name} | {} | {} | {} | {} | {:.1} | {:.1} | {} | {} |",
+                        "| {batch} | {kv_name} | {} | {} | {} | {} | {:.1} | {:.1} | {} | {} | {} |",
                         num(mean_s * 1e3),
                         num(median_s * 1e3),
                         num(dispatch_s * 1e3),
@@ -405,11 +432,13 @@ impl Bench<'_> {
                         bytes.state / MIB,
                         floor.map_or("n/a".into(), |f| num(f * 1e3)),
                         floor.map_or("n/a".into(), |f| format!("{:.1} %", 100.0 * f / mean_s)),
+                        against_paged.as_deref().unwrap_or(""),
                     );
                     figures.push(json!({
                         "batch": batch,
                         "kv": kv.name(),
                         "graph_replays": times.graph_replays,
+                        "last_logits_vs_paged": against_paged,
                         "context": context,
                         "warmup_steps": warmup,
                         "steps": steps,
@@ -426,7 +455,7 @@ impl Bench<'_> {
                     }));
                 }
                 Err(error) => {
-                    println!("| {batch} | {} | failed | | | | | | | |", kv.name());
+                    println!("| {batch} | {} | failed | | | | | | | | |", kv.name());
                     figures.push(self.failed(format!(
                         "decode batch {batch} ({} KV): {error:#}",
                         kv.name()
@@ -569,6 +598,35 @@ impl Bench<'_> {
 }
 
 /// A kernel table cell: `value` of a column's seconds, in µs.
+/// How two runs' last logits differ: `identical` bit for bit, else the
+/// largest absolute difference and how many values differ.
+fn logits_difference(logits: &[f32], reference: &[f32]) -> String {
+    if logits.len() != reference.len() {
+        return format!("{} values against {}", logits.len(), reference.len());
+    }
+    let differing: Vec<f32> = logits
+        .iter()
+        .zip(reference)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .map(|(a, b)| (a - b).abs())
+        .collect();
+    if differing.is_empty() {
+        return "identical".into();
+    }
+    let largest = differing.iter().copied().fold(0.0f32, |max, d| {
+        if d.is_nan() || max.is_nan() {
+            f32::NAN
+        } else {
+            max.max(d)
+        }
+    });
+    format!(
+        "{} of {} differ, max |Δ| {largest:.3e}",
+        differing.len(),
+        logits.len()
+    )
+}
+
 fn cell(column: &Option<Vec<f64>>, value: impl Fn(&[f64]) -> f64) -> String {
     column
         .as_ref()

@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 use berrylm::driver::Driver;
+use berrylm::graph_batches::GraphBatches;
 use berrylm::model::BerryLm;
 use candle_core::{DType, Device, Module, Tensor};
 
@@ -184,6 +185,8 @@ pub struct StepTimes {
     pub dispatch: Vec<f64>,
     /// Steps replayed from CUDA graphs (warm-up steps included).
     pub graph_replays: u64,
+    /// The last step's logits, `[batch * vocab]` as f32.
+    pub last_logits: Vec<f32>,
 }
 
 /// Decoding at `batch` sequences: a prefill of `context` tokens per sequence,
@@ -192,6 +195,7 @@ pub fn decode(
     model: &BerryLm,
     batch: usize,
     kv: DecodeKv,
+    graph_batches: &GraphBatches,
     context: usize,
     warmup: usize,
     steps: usize,
@@ -203,7 +207,9 @@ pub fn decode(
     let mut driver = match kv {
         DecodeKv::Contiguous => Driver::new(model, batch)?,
         DecodeKv::Paged => Driver::paged(model, batch, tokens)?,
-        DecodeKv::Graphs => Driver::paged(model, batch, tokens)?.with_decode_graphs()?,
+        DecodeKv::Graphs => {
+            Driver::paged(model, batch, tokens)?.with_decode_graphs(graph_batches.clone())?
+        }
     };
     let prompts: Vec<Vec<u32>> = (0..batch)
         .map(|row| token_ids(context, vocab, seed ^ ((row as u64 + 1) << 32)))
@@ -215,6 +221,7 @@ pub fn decode(
         total: Vec::with_capacity(steps),
         dispatch: Vec::with_capacity(steps),
         graph_replays: 0,
+        last_logits: Vec::new(),
     };
     for (step, tokens) in next.chunks(batch).enumerate() {
         let rows: Vec<&[u32]> = tokens.chunks(1).collect();
@@ -230,6 +237,7 @@ pub fn decode(
         }
         if step + 1 == warmup + steps {
             check_logits(&logits, batch)?;
+            times.last_logits = logits.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
         }
     }
     times.graph_replays = driver.decode_graph_replays();

@@ -15,7 +15,8 @@
 //! a copy of the logits. What the host computes for a step (the embedding
 //! gather, the rotary rows, the recurrent pools' token counts) stays outside
 //! the graph, as does everything with other shapes: prompts, f32 models,
-//! batches above [`MAX_BATCH`], steps without paged attention.
+//! batch sizes outside the model's [`GraphBatches`], steps without paged
+//! attention.
 //!
 //! A capture that fails (an operation the stream cannot record) is logged
 //! once and its key runs eagerly from then on; the replayed logits equal the
@@ -30,15 +31,10 @@ use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph, CudaStream};
 use candle_core::{DType, Device, Result, Tensor};
 use mistralrs_core::plugin_api::{FlashParams, HybridCache, PagedAttentionInputMetadata};
 
+use crate::graph_batches::GraphBatches;
 use crate::model::{
     advance_recurrent_offsets, BerryLm, ForwardBatch, PagedKv, RecurrentSlots, StepInputs,
 };
-
-/// The most sequences a decode graph takes: the batches whose projections
-/// and LM head run the GEMV kernels. Larger ones (cuBLAS products) run
-/// eagerly: replayed on the 8-layer BerryLM-OS-shaped model, a 64-sequence
-/// graph gave NaN logits after some steps (docs/performance.md, known gaps).
-pub const MAX_BATCH: usize = 8;
 
 /// The most graphs kept; the one replayed least recently goes first.
 const MAX_GRAPHS: usize = 64;
@@ -60,6 +56,7 @@ struct GraphKey {
 
 /// The decode graphs of one model, with what is known of each key.
 pub struct DecodeGraphs {
+    batches: GraphBatches,
     table: Mutex<GraphTable>,
 }
 
@@ -145,13 +142,15 @@ impl<'a> PagedStep<'a> {
 
 impl Default for DecodeGraphs {
     fn default() -> Self {
-        DecodeGraphs::new()
+        DecodeGraphs::new(GraphBatches::standard())
     }
 }
 
 impl DecodeGraphs {
-    pub fn new() -> DecodeGraphs {
+    /// Graphs for the decode steps of the sizes in `batches`.
+    pub fn new(batches: GraphBatches) -> DecodeGraphs {
         DecodeGraphs {
+            batches,
             table: Mutex::new(GraphTable::default()),
         }
     }
@@ -180,7 +179,7 @@ impl DecodeGraphs {
         let Some(step) = PagedStep::of(paged.metadata, model.device()) else {
             return Ok(None);
         };
-        let Some(key) = graph_key(model, batch, paged, &step)? else {
+        let Some(key) = graph_key(model, batch, paged, &step, &self.batches)? else {
             return Ok(None);
         };
         let mut table = self
@@ -295,17 +294,18 @@ impl GraphTable {
 }
 
 /// The key of a decode step graphs take: every sequence feeding one token
-/// in half precision, at most [`MAX_BATCH`] of them, under paged attention
-/// without a cached prefix to gather.
+/// in half precision, as many sequences as one of `batches`, under paged
+/// attention without a cached prefix to gather.
 fn graph_key(
     model: &BerryLm,
     batch: &ForwardBatch<'_>,
     paged: &PagedKv<'_>,
     step: &PagedStep<'_>,
+    batches: &GraphBatches,
 ) -> Result<Option<GraphKey>> {
     let (rows, seq_len) = batch.input_ids.dims2()?;
     let takes = seq_len == 1
-        && (1..=MAX_BATCH).contains(&rows)
+        && batches.contains(rows)
         && batch.token_counts.iter().all(|&count| count == 1)
         && model.dtype() != DType::F32
         && !paged.metadata.is_first_prompt_chunk

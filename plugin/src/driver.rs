@@ -13,6 +13,7 @@ use mistralrs_core::plugin_api::{FlashParams, HybridCache, PagedAttentionInputMe
 use mistralrs_quant::{IsqType, ShardedSafeTensors};
 
 use crate::config::BerryLmConfig;
+use crate::graph_batches::GraphBatches;
 use crate::model::{BerryLm, ForwardBatch, PagedKv};
 use crate::quantization::{self, QuantizationReport};
 use crate::weights::Weights;
@@ -160,13 +161,17 @@ impl<'m> Driver<'m> {
         Ok(driver)
     }
 
-    /// This paged driver, its decode steps replayed from CUDA graphs as the
-    /// server's are (`crate::decode_graph`, CUDA builds only).
-    pub fn with_decode_graphs(#[allow(unused_mut)] mut self) -> Result<Driver<'m>> {
+    /// This paged driver, its decode steps of the sizes in `batches` replayed
+    /// from CUDA graphs as the server's are (`crate::decode_graph`, CUDA
+    /// builds only; the server takes [`GraphBatches::standard`]).
+    pub fn with_decode_graphs(
+        #[allow(unused_mut)] mut self,
+        #[allow(unused_variables)] batches: GraphBatches,
+    ) -> Result<Driver<'m>> {
         anyhow::ensure!(self.paged.is_some(), "decode graphs need paged KV");
         #[cfg(feature = "cuda")]
         {
-            self.decode_graphs = Some(crate::decode_graph::DecodeGraphs::new());
+            self.decode_graphs = Some(crate::decode_graph::DecodeGraphs::new(batches));
             Ok(self)
         }
         #[cfg(not(feature = "cuda"))]

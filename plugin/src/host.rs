@@ -36,7 +36,7 @@ impl BerryLmHostModel {
             model,
             cache,
             #[cfg(feature = "cuda")]
-            decode_graphs: crate::decode_graph::DecodeGraphs::new(),
+            decode_graphs: crate::decode_graph::DecodeGraphs::default(),
             mapper,
             metadata,
             output_parser,

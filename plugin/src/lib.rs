@@ -13,6 +13,7 @@ pub mod device;
 pub mod device_memory;
 pub mod driver;
 pub mod error;
+pub mod graph_batches;
 pub mod host;
 pub mod layers;
 pub mod loader;
