@@ -2001,13 +2001,15 @@ fn moe_experts_matches_cpu_at_model_widths() -> Result<()> {
     })
 }
 
-/// Widths that are no multiple of the 16-byte vectors (the scalar path), and
-/// top-1.
+/// Widths that are no multiple of the 16-byte vectors (the scalar path),
+/// top-1 and top-10.
 #[test]
 fn moe_experts_matches_cpu_at_odd_sizes() -> Result<()> {
     moe_experts_case(2600, 5, [7, 3, 40, 13], DType::BF16)?;
     moe_experts_case(2601, 3, [7, 3, 40, 13], DType::F32)?;
     moe_experts_case(2602, 9, [4, 1, 64, 24], DType::BF16)?;
+    // More than 8 experts per token: the combine's wider sorting network.
+    moe_experts_case(2603, 4, [16, 10, 40, 16], DType::BF16)?;
     Ok(())
 }
 

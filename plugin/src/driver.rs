@@ -311,11 +311,12 @@ enum StepOutput {
 
 /// The chunks (one per sequence, all the same length) as `[B, T]` token ids.
 fn input_ids(chunks: &[&[u32]], device: &Device) -> Result<Tensor> {
-    let rows: Vec<Tensor> = chunks
-        .iter()
-        .map(|chunk| Tensor::new(*chunk, device))
-        .collect::<candle_core::Result<_>>()?;
-    Ok(Tensor::stack(&rows, 0)?)
+    let len = chunks.first().map_or(0, |chunk| chunk.len());
+    anyhow::ensure!(
+        chunks.iter().all(|chunk| chunk.len() == len),
+        "the sequences of a step have chunks of different lengths"
+    );
+    Ok(Tensor::from_vec(chunks.concat(), (chunks.len(), len), device)?)
 }
 
 impl PagedBlocks {

@@ -28,6 +28,11 @@ constexpr int kWarps = kThreads / 32;
 // One weight row per warp: at batch 1 the step reads 8 experts' rows, and
 // many small blocks keep more of those reads in flight than fewer big ones.
 constexpr int kRowsPerBlock = kWarps;
+// Must match MAX_TOP_K in src/cuda/moe.rs.
+constexpr int kMaxCombineTopK = 32;
+// 64 threads a block: at batch 1 the combine of a 2048-wide row is 256
+// threads, which four blocks spread over four SMs.
+constexpr int kCombineThreads = 64;
 // At least MOE_KERNEL_MAX_ROUTED_ROWS in src/cuda/moe.rs (the rows it sends here).
 constexpr int kMaxRouted = 4096;
 
@@ -163,34 +168,50 @@ __global__ void __launch_bounds__(kThreads)
 
 // y[n, i .. i + VEC): the token's terms round_x(w * out_e) added in
 // increasing expert id, each addition rounded; one thread per VEC
-// consecutive columns of a token (16-byte loads and stores when VEC > 1),
-// which orders the token's experts once for all of them. Ids at or above
-// `experts` contribute nothing. The routed row r = n * top_k + s of
-// `expert_out` is row `rows[r]` when `rows` is given (outputs grouped by
-// expert), else row r.
-template <typename T, int VEC>
+// consecutive columns of a token (16-byte loads and stores when VEC > 1).
+// Ids at or above `experts` contribute nothing, and an id repeated in a
+// token's row counts once. The routed row r = n * top_k + s of `expert_out`
+// is row `rows[r]` when `rows` is given (outputs grouped by expert), else
+// row r.
+//
+// A thread orders the token's slots in registers (a sorting network over
+// MAX_K >= top_k keys id * MAX_K + slot), so that its loads of the experts'
+// outputs do not wait on one another.
+template <typename T, int VEC, int MAX_K>
 __global__ void combine_kernel(const T* __restrict__ expert_out, const float* __restrict__ weights,
                                const uint32_t* __restrict__ ids, const uint32_t* __restrict__ rows,
                                T* __restrict__ y, long long total, int top_k, int experts,
                                int hidden) {
+    constexpr uint32_t kUnused = 0xffffffffu;
     const int groups = hidden / VEC;
     const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
     for (long long index = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
          index < total; index += stride) {
         const long long token = index / groups;
         const int i = static_cast<int>(index % groups) * VEC;
-        const uint32_t* token_ids = ids + token * top_k;
-        float acc[VEC] = {};
-        long long previous = -1;
-        for (int step = 0; step < top_k; ++step) {
-            int slot = -1;
-            for (int s = 0; s < top_k; ++s) {
-                const long long id = token_ids[s];
-                if (id > previous && id < experts && (slot < 0 || id < token_ids[slot])) slot = s;
+        uint32_t key[MAX_K];
+#pragma unroll
+        for (int s = 0; s < MAX_K; ++s) {
+            const uint32_t id = s < top_k ? ids[token * top_k + s] : kUnused;
+            key[s] = id < static_cast<uint32_t>(experts) ? id * MAX_K + s : kUnused;
+        }
+#pragma unroll
+        for (int pass = 0; pass < MAX_K; ++pass) {
+#pragma unroll
+            for (int s = pass & 1; s + 1 < MAX_K; s += 2) {
+                if (key[s] > key[s + 1]) {
+                    const uint32_t k = key[s];
+                    key[s] = key[s + 1];
+                    key[s + 1] = k;
+                }
             }
-            if (slot < 0) break;
-            previous = token_ids[slot];
-            const long long routed_row = token * top_k + slot;
+        }
+        float acc[VEC] = {};
+#pragma unroll
+        for (int j = 0; j < MAX_K; ++j) {
+            const bool repeated = j > 0 && key[j - 1] / MAX_K == key[j] / MAX_K;
+            if (key[j] == kUnused || repeated) continue;
+            const long long routed_row = token * top_k + key[j] % MAX_K;
             const long long out_row = rows != nullptr ? rows[routed_row] : routed_row;
             const float weight = weights[routed_row];
             float out[VEC];
@@ -219,20 +240,36 @@ inline bool aligned16(const void* p) {
 
 // The combine over `tokens` tokens, 16 bytes of a token's columns per thread
 // when the width and the pointers allow.
+template <typename T, int MAX_K>
+void launch_combine_up_to(const T* expert_out, const float* weights, const uint32_t* ids,
+                          const uint32_t* rows, T* y, int tokens, int top_k, int experts,
+                          int hidden, cudaStream_t stream) {
+    constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+    const long long total = static_cast<long long>(tokens) * hidden;
+    if (hidden % kVec == 0 && aligned16(expert_out) && aligned16(y)) {
+        const unsigned int blocks = berrylm::elementwise_blocks(total / kVec, kCombineThreads);
+        combine_kernel<T, kVec, MAX_K><<<blocks, kCombineThreads, 0, stream>>>(
+            expert_out, weights, ids, rows, y, total / kVec, top_k, experts, hidden);
+    } else {
+        const unsigned int blocks = berrylm::elementwise_blocks(total, kCombineThreads);
+        combine_kernel<T, 1, MAX_K><<<blocks, kCombineThreads, 0, stream>>>(
+            expert_out, weights, ids, rows, y, total, top_k, experts, hidden);
+    }
+}
+
+// 1 <= top_k <= kMaxCombineTopK.
 template <typename T>
 int launch_combine(const T* expert_out, const float* weights, const uint32_t* ids,
                    const uint32_t* rows, T* y, int tokens, int top_k, int experts, int hidden,
                    cudaStream_t stream) {
-    constexpr int kVec = 16 / static_cast<int>(sizeof(T));
-    const long long total = static_cast<long long>(tokens) * hidden;
-    if (hidden % kVec == 0 && aligned16(expert_out) && aligned16(y)) {
-        const unsigned int blocks = berrylm::elementwise_blocks(total / kVec, kThreads);
-        combine_kernel<T, kVec><<<blocks, kThreads, 0, stream>>>(
-            expert_out, weights, ids, rows, y, total / kVec, top_k, experts, hidden);
+    if (top_k <= 8) {
+        launch_combine_up_to<T, 8>(expert_out, weights, ids, rows, y, tokens, top_k, experts,
+                                   hidden, stream);
+    } else if (top_k <= kMaxCombineTopK) {
+        launch_combine_up_to<T, kMaxCombineTopK>(expert_out, weights, ids, rows, y, tokens,
+                                                 top_k, experts, hidden, stream);
     } else {
-        const unsigned int blocks = berrylm::elementwise_blocks(total, kThreads);
-        combine_kernel<T, 1><<<blocks, kThreads, 0, stream>>>(expert_out, weights, ids, rows, y,
-                                                             total, top_k, experts, hidden);
+        return static_cast<int>(cudaErrorInvalidValue);
     }
     return berrylm::launch_status();
 }

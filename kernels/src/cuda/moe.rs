@@ -22,6 +22,9 @@ const OP: &str = "moe_experts";
 /// block keeps the list of the rows sent to its expert in shared memory);
 /// [`MoeExpertsAlgorithm::Streamed`] calls with more run the grouped GEMMs.
 const STREAMED_MAX_ROUTED_ROWS: usize = 4096;
+/// The most experts per token the combine takes (`kMaxCombineTopK` in
+/// moe.cu).
+const MAX_TOP_K: usize = 32;
 
 extern "C" {
     fn berrylm_moe_experts(
@@ -118,6 +121,12 @@ struct MoeSizes {
 impl RoutedSizes {
     /// `[tokens, top_k, experts, hidden, inter]` as the launchers take them.
     fn c_sizes(&self) -> Result<[c_int; 5]> {
+        if self.top_k > MAX_TOP_K {
+            return Err(error(format!(
+                "{} experts per token; the CUDA kernels take at most {MAX_TOP_K}",
+                self.top_k
+            )));
+        }
         Ok([
             c_size(OP, "x", self.tokens)?,
             c_size(OP, "ids", self.top_k)?,

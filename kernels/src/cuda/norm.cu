@@ -66,14 +66,14 @@ __global__ void __launch_bounds__(berrylm::norm_rows::kRowThreads)
                    ? v
                    : berrylm::round_to<T>(__fadd_rn(v, berrylm::to_f32(delta[offset + i])));
     };
+    berrylm::norm_rows::LaneValues values;
     const float rms =
-        berrylm::norm_rows::row_root(lanes, width, warps_per_row, inv_width, eps, value);
+        berrylm::norm_rows::row_root(lanes, width, warps_per_row, inv_width, eps, value, values);
     if (!lanes.active) return;
-    for (int i = lanes.first; i < width; i += lanes.stride) {
-        const float v = value(i);
+    values.for_each(lanes, width, value, [&](int i, float v) {
         if (sum_out != nullptr) sum_out[offset + i] = berrylm::from_f32<T>(v);
         out[offset + i] = berrylm::from_f32<T>(__fmul_rn(__fdiv_rn(v, rms), scale[i]));
-    }
+    });
 }
 
 }  // namespace berrylm::norm

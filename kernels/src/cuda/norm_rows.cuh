@@ -9,6 +9,10 @@
 // reference's operations (each square rounded to f32 before it is summed,
 // the sum times the f32 `1/D`, + eps, sqrt), so for the same sum of squares
 // it is the CPU's bit for bit; only the order of the sum differs.
+//
+// A lane keeps its first kCachedValues values in registers (all of them up
+// to width 2048), loaded together rather than one after another, so a
+// row's second pass reads no memory for them.
 #pragma once
 
 #include "common.cuh"
@@ -50,16 +54,51 @@ __device__ __forceinline__ RowLanes row_lanes(long long rows, int warps_per_row)
     return RowLanes{row, row < rows, (warp % warps_per_row) * 32 + lane, warps_per_row * 32};
 }
 
-// The root of the row whose i-th value is `value(i)` (f32). Every thread of
-// the block calls it (it synchronises the block when a row spans warps);
-// inactive lanes contribute nothing.
+constexpr int kCachedValues = 8;
+
+// A lane's values of its row: the j-th is value(first + j * stride), the
+// first kCachedValues of them in `cached`.
+struct LaneValues {
+    float cached[kCachedValues];
+
+    // visit(i, value(i)) for each of the lane's i in order, the cached
+    // values taken from the registers.
+    template <typename Value, typename Visit>
+    __device__ __forceinline__ void for_each(const RowLanes& lanes, int width, Value value,
+                                             Visit visit) const {
+#pragma unroll
+        for (int j = 0; j < kCachedValues; ++j) {
+            const int i = lanes.first + j * lanes.stride;
+            if (i < width) visit(i, cached[j]);
+        }
+        for (int i = lanes.first + kCachedValues * lanes.stride; i < width; i += lanes.stride) {
+            visit(i, value(i));
+        }
+    }
+};
+
+// The root of the row whose i-th value is `value(i)` (f32), the lane's
+// values kept in `values`. Every thread of the block calls it (it
+// synchronises the block when a row spans warps); inactive lanes contribute
+// nothing.
 template <typename Value>
 __device__ __forceinline__ float row_root(const RowLanes& lanes, int width, int warps_per_row,
-                                          float inv_width, float eps, Value value) {
+                                          float inv_width, float eps, Value value,
+                                          LaneValues& values) {
     __shared__ float partial[kRowWarpsPerBlock];
     float sum_sq = 0.0f;
     if (lanes.active) {
-        for (int i = lanes.first; i < width; i += lanes.stride) {
+#pragma unroll
+        for (int j = 0; j < kCachedValues; ++j) {
+            const int i = lanes.first + j * lanes.stride;
+            values.cached[j] = i < width ? value(i) : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < kCachedValues; ++j) {
+            const float v = values.cached[j];
+            if (lanes.first + j * lanes.stride < width) sum_sq = __fadd_rn(sum_sq, __fmul_rn(v, v));
+        }
+        for (int i = lanes.first + kCachedValues * lanes.stride; i < width; i += lanes.stride) {
             const float v = value(i);
             sum_sq = __fadd_rn(sum_sq, __fmul_rn(v, v));
         }

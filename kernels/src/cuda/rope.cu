@@ -27,13 +27,10 @@
 
 namespace berrylm::rope {
 
-
-// n[i] of a row whose root is `rms`.
+// n[i] of the value x = x[i] of a row whose root is `rms`.
 template <typename T>
-__device__ __forceinline__ float normed(const T* __restrict__ xr, const float* __restrict__ scale,
-                                        int i, float rms) {
-    const float n = __fdiv_rn(berrylm::to_f32(xr[i]), rms);
-    return berrylm::round_to<T>(__fmul_rn(n, scale[i]));
+__device__ __forceinline__ float normed(float x, float scale, float rms) {
+    return berrylm::round_to<T>(__fmul_rn(__fdiv_rn(x, rms), scale));
 }
 
 // norm_rows.cuh's layout, a row at a time.
@@ -46,26 +43,29 @@ __global__ void __launch_bounds__(berrylm::norm_rows::kRowThreads)
                                 float inv_width, float eps) {
     const berrylm::norm_rows::RowLanes lanes = berrylm::norm_rows::row_lanes(rows, warps_per_row);
     const T* xr = x + (lanes.active ? lanes.row : 0) * x_row_stride;
-    const float rms = berrylm::norm_rows::row_root(lanes, width, warps_per_row, inv_width, eps,
-                                                   [&](int i) { return berrylm::to_f32(xr[i]); });
+    auto value = [&](int i) { return berrylm::to_f32(xr[i]); };
+    berrylm::norm_rows::LaneValues values;
+    const float rms =
+        berrylm::norm_rows::row_root(lanes, width, warps_per_row, inv_width, eps, value, values);
     if (!lanes.active) return;
     const int half = rotary / 2;
     const long long token = lanes.row / heads;
     const T* cr = cos_table + token * rotary;
     const T* sr = sin_table + token * rotary;
     T* yr = out + lanes.row * width;
-    for (int i = lanes.first; i < width; i += lanes.stride) {
-        const float n = normed(xr, scale, i, rms);
+    values.for_each(lanes, width, value, [&](int i, float x_i) {
+        const float n = normed<T>(x_i, scale[i], rms);
         if (i >= rotary) {
             yr[i] = berrylm::from_f32<T>(n);
-            continue;
+            return;
         }
-        const float partner =
-            i < half ? -normed(xr, scale, i + half, rms) : normed(xr, scale, i - half, rms);
+        const int j = i < half ? i + half : i - half;
+        const float partner_n = normed<T>(value(j), scale[j], rms);
+        const float partner = i < half ? -partner_n : partner_n;
         const float cos_term = berrylm::round_to<T>(__fmul_rn(n, berrylm::to_f32(cr[i])));
         const float sin_term = berrylm::round_to<T>(__fmul_rn(partner, berrylm::to_f32(sr[i])));
         yr[i] = berrylm::from_f32<T>(__fadd_rn(cos_term, sin_term));
-    }
+    });
 }
 
 }  // namespace berrylm::rope

@@ -17,8 +17,10 @@
 // unique answer and it is what torch.topk returns. Otherwise the order of
 // tied experts depends on how PyTorch's CPU kernel moves its (value, index)
 // pairs (libstdc++ nth_element + sort, or partial_sort when 64 k <= E, see
-// torch_top_k in src/route.rs), so one thread replays those algorithms on
-// the row in shared memory: the same comparisons, hence the same result.
+// torch_top_k in src/route.rs), so the block replays those algorithms on
+// the row in shared memory: the same comparisons, hence the same result
+// (nth_element's partitions with every thread at once, which yields what the
+// sequential loop does, the rest in one thread).
 //
 // The renormalising sum adds the k chosen probabilities in their order from
 // 0 (as the CPU does); the weights are rounded to `weight_dtype` (RNE) and
@@ -120,9 +122,9 @@ struct Queue {
         }
     }
 
-    // __unguarded_partition_pivot: the median of first + 1, the middle and
-    // last - 1 moves to first; returns where the second part starts.
-    __device__ int partition_pivot(int first, int last) const {
+    // __move_median_to_first: the median of first + 1, the middle and
+    // last - 1 moves to first.
+    __device__ void move_median_to_first(int first, int last) const {
         const int a = first + 1, mid = first + (last - first) / 2, c = last - 1;
         int median;
         if (before_at(a, mid)) {
@@ -131,6 +133,12 @@ struct Queue {
             median = before_at(a, c) ? a : before_at(mid, c) ? c : mid;
         }
         swap(first, median);
+    }
+
+    // __unguarded_partition_pivot: the median of first + 1, the middle and
+    // last - 1 moves to first; returns where the second part starts.
+    __device__ int partition_pivot(int first, int last) const {
+        move_median_to_first(first, last);
         const float pivot = value[first];
         int low = first + 1, high = last;
         while (true) {
@@ -157,26 +165,6 @@ struct Queue {
             value[hole] = v;
             index[hole] = ix;
         }
-    }
-
-    // __introselect: leaves at nth the entry a full sort would put there.
-    __device__ void introselect(int first, int nth, int last) const {
-        int depth_limit = 2 * floor_log2(last - first);
-        while (last - first > 3) {
-            if (depth_limit == 0) {
-                heap_select(first, nth + 1, last);
-                swap(first, nth);
-                return;
-            }
-            --depth_limit;
-            const int cut = partition_pivot(first, last);
-            if (cut <= nth) {
-                first = cut;
-            } else {
-                last = cut;
-            }
-        }
-        insertion_sort(first, last);
     }
 
     // std::sort of [first, last): __introsort_loop, then the final insertion
@@ -217,19 +205,122 @@ struct Queue {
         // sort of the whole range.
         insertion_sort(first, last);
     }
+};
 
-    // torch.topk(largest=True, sorted=True) on n entries, as ATen's
-    // TopKImpl.h: the k chosen end up in [0, k), in PyTorch's order.
-    __device__ void torch_top_k(int n, int k) const {
-        if (k * 64 <= n) {
-            heap_select(0, k, n);
-            sort_heap(0, k);
-        } else {
-            introselect(0, k - 1, n);
-            sort(0, k - 1);
+// Scratch of the block's partition: the positions of the stoppers by rank,
+// the stopper counts of each warp, and the cut.
+struct PartitionScratch {
+    int left_at[kMaxExperts];
+    int right_at[kMaxExperts];
+    int warp_counts[2][kMaxWarps];
+    int cut;
+};
+
+// partition_pivot by every thread of the block (thread p owns position p;
+// the result is the same in every thread). The sequential loop stops its
+// upward scan at "left stoppers" (entries not ranked before the pivot) and
+// its downward scan at "right stoppers" (entries the pivot is not ranked
+// before; the pivot itself at `first` is one), and swaps the i-th left
+// stopper with the i-th right stopper from the top while the former lies
+// below the latter. Those pairs are disjoint and untouched by earlier
+// swaps, so they are found by counting and swapped at once. The first pair
+// that fails gives the cut: its left stopper, or the right stopper of the
+// previous pair if that lies lower (the scan stops at the swapped-in entry
+// there), or that right stopper when no left stopper is left.
+__device__ int partition_pivot_block(const Queue& queue, int first, int last,
+                                     PartitionScratch& scratch) {
+    const int t = static_cast<int>(threadIdx.x);
+    const int lane = t & 31;
+    const int warp = t >> 5;
+    const int warps = static_cast<int>(blockDim.x >> 5);
+    if (t == 0) queue.move_median_to_first(first, last);
+    __syncthreads();
+    const float pivot = queue.value[first];
+    const bool in_range = t >= first && t < last;
+    const float v = in_range ? queue.value[t] : pivot;
+    const bool left = in_range && t > first && !before(v, pivot);
+    const bool right = in_range && !before(pivot, v);
+    const unsigned left_bits = __ballot_sync(0xffffffffu, left);
+    const unsigned right_bits = __ballot_sync(0xffffffffu, right);
+    if (lane == 0) {
+        scratch.warp_counts[0][warp] = __popc(left_bits);
+        scratch.warp_counts[1][warp] = __popc(right_bits);
+    }
+    __syncthreads();
+    const unsigned below = (1u << lane) - 1u;
+    int left_rank = __popc(left_bits & below);
+    int right_through = __popc(right_bits & below) + (right ? 1 : 0);
+    int left_total = 0, right_total = 0;
+    for (int w = 0; w < warps; ++w) {
+        if (w < warp) {
+            left_rank += scratch.warp_counts[0][w];
+            right_through += scratch.warp_counts[1][w];
+        }
+        left_total += scratch.warp_counts[0][w];
+        right_total += scratch.warp_counts[1][w];
+    }
+    const int right_rank = right_total - right_through;  // 0: the topmost
+    if (left) scratch.left_at[left_rank] = t;
+    if (right) scratch.right_at[right_rank] = t;
+    __syncthreads();
+    if (left) {
+        const auto swaps = [&](int rank) {
+            return rank < right_total && scratch.left_at[rank] < scratch.right_at[rank];
+        };
+        const bool swapped = swaps(left_rank);
+        if (swapped) {
+            queue.swap(t, scratch.right_at[left_rank]);
+            if (left_rank + 1 == left_total) scratch.cut = scratch.right_at[left_rank];
+        } else if (left_rank == 0 || swaps(left_rank - 1)) {
+            scratch.cut = left_rank == 0 ? t : min(t, scratch.right_at[left_rank - 1]);
         }
     }
-};
+    __syncthreads();
+    return scratch.cut;
+}
+
+// torch.topk(largest=True, sorted=True) on n entries, as ATen's
+// TopKImpl.h, by every thread of the block: the k chosen end up in [0, k),
+// in PyTorch's order. Partial sort (64 k <= n) and the final sort run in
+// thread 0; __introselect's partitions run in partition_pivot_block.
+__device__ void torch_top_k_block(const Queue& queue, int n, int k, PartitionScratch& scratch) {
+    const bool leader = threadIdx.x == 0;
+    if (k * 64 <= n) {
+        if (leader) {
+            queue.heap_select(0, k, n);
+            queue.sort_heap(0, k);
+        }
+        __syncthreads();
+        return;
+    }
+    // __introselect(0, k - 1, n).
+    const int nth = k - 1;
+    int first = 0, last = n;
+    int depth_limit = 2 * floor_log2(n);
+    bool selected = false;
+    while (last - first > 3) {  // uniform over the block
+        if (depth_limit == 0) {
+            if (leader) {
+                queue.heap_select(first, nth + 1, last);
+                queue.swap(first, nth);
+            }
+            selected = true;
+            break;
+        }
+        --depth_limit;
+        const int cut = partition_pivot_block(queue, first, last, scratch);
+        if (cut <= nth) {
+            first = cut;
+        } else {
+            last = cut;
+        }
+    }
+    if (leader) {
+        if (!selected) queue.insertion_sort(first, last);
+        queue.sort(0, k - 1);
+    }
+    __syncthreads();
+}
 
 template <typename T>
 __global__ void __launch_bounds__(kMaxExperts)
@@ -241,6 +332,7 @@ __global__ void __launch_bounds__(kMaxExperts)
     __shared__ float top_prob[kMaxExperts];
     __shared__ int top_id[kMaxExperts];
     __shared__ float partial[kMaxWarps];
+    __shared__ PartitionScratch scratch;
     __shared__ float total;
     __shared__ int tied;
     const int t = threadIdx.x;
@@ -295,13 +387,11 @@ __global__ void __launch_bounds__(kMaxExperts)
     if (tied) {  // uniform over the block
         if (owner) order[t] = t;
         __syncthreads();
-        if (t == 0) {
-            const Queue queue{prob, order};
-            queue.torch_top_k(experts, top_k);
-            for (int r = 0; r < top_k; ++r) {
-                top_prob[r] = prob[r];
-                top_id[r] = order[r];
-            }
+        const Queue queue{prob, order};
+        torch_top_k_block(queue, experts, top_k, scratch);
+        if (owner && t < top_k) {
+            top_prob[t] = prob[t];
+            top_id[t] = order[t];
         }
         __syncthreads();
     }
