@@ -2002,7 +2002,7 @@ fn moe_experts_matches_cpu_at_model_widths() -> Result<()> {
 }
 
 /// Widths that are no multiple of the 16-byte vectors (the scalar path),
-/// top-1 and top-10.
+/// top-1 and top-10; top-33 is refused.
 #[test]
 fn moe_experts_matches_cpu_at_odd_sizes() -> Result<()> {
     moe_experts_case(2600, 5, [7, 3, 40, 13], DType::BF16)?;
@@ -2010,6 +2010,18 @@ fn moe_experts_matches_cpu_at_odd_sizes() -> Result<()> {
     moe_experts_case(2602, 9, [4, 1, 64, 24], DType::BF16)?;
     // More than 8 experts per token: the combine's wider sorting network.
     moe_experts_case(2603, 4, [16, 10, 40, 16], DType::BF16)?;
+    // More than the 32 it takes: a clear error.
+    let inputs = moe_inputs(
+        &mut Rng::new(2604),
+        MoeCase::routed(2, [40, 33, 40, 16]),
+        DType::BF16,
+    )?;
+    let copies = to_gpu_all(&inputs)?;
+    let [x, weights, ids, gate_up, down] = std::array::from_fn(|i| &copies[i]);
+    match moe_experts(x, weights, ids, gate_up, down) {
+        Err(KernelError::InvalidArgument { arg: "ids", .. }) => {}
+        other => panic!("expected an InvalidArgument error, got {other:?}"),
+    }
     Ok(())
 }
 

@@ -316,7 +316,11 @@ fn input_ids(chunks: &[&[u32]], device: &Device) -> Result<Tensor> {
         chunks.iter().all(|chunk| chunk.len() == len),
         "the sequences of a step have chunks of different lengths"
     );
-    Ok(Tensor::from_vec(chunks.concat(), (chunks.len(), len), device)?)
+    Ok(Tensor::from_vec(
+        chunks.concat(),
+        (chunks.len(), len),
+        device,
+    )?)
 }
 
 impl PagedBlocks {

@@ -69,7 +69,11 @@ impl FromStr for GraphBatches {
             return Ok(GraphBatches::standard());
         }
         let mut sizes = Vec::new();
-        for item in value.split(',').map(str::trim).filter(|item| !item.is_empty()) {
+        for item in value
+            .split(',')
+            .map(str::trim)
+            .filter(|item| !item.is_empty())
+        {
             let bound = |text: &str| {
                 text.trim()
                     .parse::<usize>()
@@ -115,7 +119,10 @@ mod tests {
     fn lists_and_ranges_parse() {
         let parsed: GraphBatches = "1-3, 9,200-201".parse().unwrap();
         assert_eq!(parsed.sizes().collect::<Vec<_>>(), [1, 2, 3, 9, 200, 201]);
-        assert_eq!("standard".parse::<GraphBatches>(), Ok(GraphBatches::standard()));
+        assert_eq!(
+            "standard".parse::<GraphBatches>(),
+            Ok(GraphBatches::standard())
+        );
     }
 
     #[test]

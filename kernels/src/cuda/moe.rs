@@ -122,10 +122,14 @@ impl RoutedSizes {
     /// `[tokens, top_k, experts, hidden, inter]` as the launchers take them.
     fn c_sizes(&self) -> Result<[c_int; 5]> {
         if self.top_k > MAX_TOP_K {
-            return Err(error(format!(
-                "{} experts per token; the CUDA kernels take at most {MAX_TOP_K}",
-                self.top_k
-            )));
+            return Err(invalid_argument(
+                OP,
+                "ids",
+                format!(
+                    "{} experts per token; the CUDA kernels take at most {MAX_TOP_K}",
+                    self.top_k
+                ),
+            ));
         }
         Ok([
             c_size(OP, "x", self.tokens)?,
