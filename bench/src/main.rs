@@ -30,7 +30,7 @@ use candle_core::Device;
 use serde_json::{json, Value};
 
 use crate::args::{Args, DecodeKv};
-use crate::measure::{mean, median, KERNEL_OPS};
+use crate::measure::{mean, median, DecodeSteps, KERNEL_OPS};
 use crate::shape::ModelShape;
 
 const MIB: f64 = (1u64 << 20) as f64;
@@ -393,9 +393,11 @@ impl Bench<'_> {
                 batch,
                 kv,
                 &args.graph_batches,
-                context,
-                warmup,
-                steps,
+                &DecodeSteps {
+                    context,
+                    warmup,
+                    timed: steps,
+                },
                 args.seed,
             );
             match run {
@@ -597,7 +599,6 @@ impl Bench<'_> {
     }
 }
 
-/// A kernel table cell: `value` of a column's seconds, in µs.
 /// How two runs' last logits differ: `identical` bit for bit, else the
 /// largest absolute difference and how many values differ.
 fn logits_difference(logits: &[f32], reference: &[f32]) -> String {
@@ -627,6 +628,7 @@ fn logits_difference(logits: &[f32], reference: &[f32]) -> String {
     )
 }
 
+/// A kernel table cell: `value` of a column's seconds, in µs.
 fn cell(column: &Option<Vec<f64>>, value: impl Fn(&[f64]) -> f64) -> String {
     column
         .as_ref()
@@ -644,5 +646,29 @@ fn num(value: f64) -> String {
         format!("{value:.2}")
     } else {
         format!("{value:.3}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::logits_difference;
+
+    #[test]
+    fn logits_difference_counts_the_values_whose_bits_differ() {
+        assert_eq!(logits_difference(&[1.0, -2.0], &[1.0, -2.0]), "identical");
+        assert_eq!(
+            logits_difference(&[1.0, 2.5, 3.0], &[1.0, 2.0, 3.25]),
+            "2 of 3 differ, max |Δ| 5.000e-1"
+        );
+        // -0.0 and 0.0 are equal numbers with other bits.
+        assert_eq!(
+            logits_difference(&[0.0], &[-0.0]),
+            "1 of 1 differ, max |Δ| 0.000e0"
+        );
+        assert_eq!(
+            logits_difference(&[f32::NAN, 1.0], &[0.0, 1.0]),
+            "1 of 2 differ, max |Δ| NaN"
+        );
+        assert_eq!(logits_difference(&[1.0], &[]), "1 values against 0");
     }
 }

@@ -189,18 +189,28 @@ pub struct StepTimes {
     pub last_logits: Vec<f32>,
 }
 
-/// Decoding at `batch` sequences: a prefill of `context` tokens per sequence,
-/// `warmup` untimed steps, then `steps` timed steps.
+/// The steps of a decode run: a prefill of `context` tokens per sequence,
+/// `warmup` untimed steps, then `timed` timed steps.
+pub struct DecodeSteps {
+    pub context: usize,
+    pub warmup: usize,
+    pub timed: usize,
+}
+
+/// Decoding at `batch` sequences, the steps of `run`.
 pub fn decode(
     model: &BerryLm,
     batch: usize,
     kv: DecodeKv,
     graph_batches: &GraphBatches,
-    context: usize,
-    warmup: usize,
-    steps: usize,
+    run: &DecodeSteps,
     seed: u64,
 ) -> Result<StepTimes> {
+    let &DecodeSteps {
+        context,
+        warmup,
+        timed: steps,
+    } = run;
     let device = model.device();
     let vocab = model.config().vocab_size;
     let tokens = context + warmup + steps;
