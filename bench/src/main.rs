@@ -401,10 +401,10 @@ impl Bench<'_> {
                 args.seed,
             );
             match run {
-                Ok(times) => {
+                Ok(mut times) => {
                     let against_paged = match kv {
                         DecodeKv::Paged => {
-                            paged_logits.insert(batch, times.last_logits.clone());
+                            paged_logits.insert(batch, std::mem::take(&mut times.last_logits));
                             None
                         }
                         DecodeKv::Graphs => paged_logits
