@@ -95,11 +95,13 @@ pub fn causal_conv1d_split(
 /// [`causal_conv1d_split`] on the gathered rows (on CUDA with the same
 /// kernel code).
 ///
-/// The slots are validated as for [`crate::kda_recurrence_in_pool_with`]
-/// (`host_slots`: `B` distinct values `< S`; `slots`: `u32` `[B]`, on the CPU
+/// A row whose slot is [`crate::PAD_SLOT`] starts from a zero state and
+/// writes none. The slots are validated as for
+/// [`crate::kda_recurrence_in_pool_with`] (`host_slots`: `B` values `< S`
+/// and distinct, or [`crate::PAD_SLOT`]; `slots`: `u32` `[B]`, on the CPU
 /// equal to `host_slots`). On CUDA a sequence whose `slots` entry is `>= S`
-/// is left alone (its outputs unspecified), so a disagreeing `slots` never
-/// writes outside the pool. No input may share storage with `pool.states`.
+/// is a pad row, so a disagreeing `slots` never writes outside the pool. No
+/// input may share storage with `pool.states`.
 pub fn causal_conv1d_split_in_pool(
     x: &Tensor,
     weight: &Tensor,

@@ -97,7 +97,7 @@ pub use norm::{add_offset_rms_norm, gated_rms_norm, offset_rms_norm};
 pub use quantized::{quantized_matmul, quantized_matmul_with_dense, takes_gguf_dtype};
 pub use recurrence::{
     kda_recurrence, kda_recurrence_in_pool_with, kda_recurrence_with, repeated_slot,
-    KdaPrefillAlgorithm, StatePool,
+    KdaPrefillAlgorithm, StatePool, PAD_SLOT,
 };
 pub use rope::offset_rms_norm_rope;
 pub use route::moe_route;

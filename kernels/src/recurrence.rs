@@ -151,6 +151,12 @@ pub fn kda_recurrence_with(
 
 const POOL_OP: &str = "kda_recurrence_in_pool";
 
+/// The slot of a batch row that belongs to no sequence (a decode batch
+/// padded to the size of a captured CUDA graph): the row starts from a zero
+/// state and its final state is written nowhere. Any number of rows may
+/// take it.
+pub const PAD_SLOT: u32 = u32::MAX;
+
 /// The rows of a state pool that a batch's sequences own: a pool of `S`
 /// per-sequence states, read and updated in place by the functions taking
 /// it, which touch only the batch's rows.
@@ -167,10 +173,10 @@ pub struct StatePool<'a> {
     /// `[B]`, `u32`, on the device of the other tensors: the pool row of each
     /// sequence. The kernels read it on the device.
     pub slots: &'a Tensor,
-    /// The same `B` slots on the host, where they are validated: each `< S`,
-    /// all distinct. Taking them from the caller (who chose the slots on the
-    /// host anyway) validates them without copying `slots` back from the GPU,
-    /// which would stall candle's stream.
+    /// The same `B` slots on the host, where they are validated: each `< S`
+    /// or [`PAD_SLOT`], the ones `< S` distinct. Taking them from the caller
+    /// (who chose the slots on the host anyway) validates them without
+    /// copying `slots` back from the GPU, which would stall candle's stream.
     pub host_slots: &'a [u32],
 }
 
@@ -191,12 +197,14 @@ pub struct StatePool<'a> {
 /// kernels); no other row is
 /// written. The write goes into the pool's storage, so every tensor sharing
 /// it sees the new states. Returns the output `[B, T, Hv, dv]` (`f32`).
+/// A row whose slot is [`PAD_SLOT`] gives the output of a zero initial state
+/// and writes no state.
 ///
 /// On the CPU, `slots` must equal `host_slots` (checked). On CUDA they are
-/// not compared (that would need the copy back); the kernels leave a
-/// sequence whose `slots` entry is `>= S` alone, so a disagreeing `slots`
-/// can leave outputs unspecified but never writes outside the pool. No
-/// input may share storage with `pool.states`.
+/// not compared (that would need the copy back); the kernels treat a
+/// sequence whose `slots` entry is `>= S` as a [`PAD_SLOT`] row, so a
+/// disagreeing `slots` can give wrong outputs but never writes outside the
+/// pool. No input may share storage with `pool.states`.
 pub fn kda_recurrence_in_pool_with(
     algorithm: KdaPrefillAlgorithm,
     q: &Tensor,
@@ -249,10 +257,11 @@ impl StatePool<'_> {
     }
 
     /// The CPU path of a call of `op` on the pool: `reference` gets the
-    /// batch's rows `[B, ...]` and returns its output and their new values,
-    /// which are written back into those rows. Fails unless `slots` holds
-    /// the values of `host_slots` (a check only the CPU path makes: on CUDA
-    /// it would copy `slots` back).
+    /// batch's rows `[B, ...]` (zeros for a [`PAD_SLOT`]) and returns its
+    /// output and their new values, which are written back into those rows
+    /// (not a [`PAD_SLOT`]'s). Fails unless `slots` holds the values of
+    /// `host_slots` (a check only the CPU path makes: on CUDA it would copy
+    /// `slots` back).
     pub(crate) fn cpu_update<T>(
         &self,
         op: &'static str,
@@ -269,11 +278,26 @@ impl StatePool<'_> {
                 ),
             ));
         }
-        let rows = self.states.index_select(self.slots, 0)?;
+        let rows = if self.host_slots.contains(&PAD_SLOT) {
+            let zero_row = self.states.narrow(0, 0, 1)?.zeros_like()?;
+            let rows = self
+                .host_slots
+                .iter()
+                .map(|&slot| match slot {
+                    PAD_SLOT => Ok(zero_row.clone()),
+                    slot => self.states.narrow(0, slot as usize, 1),
+                })
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            Tensor::cat(&rows, 0)?
+        } else {
+            self.states.index_select(self.slots, 0)?
+        };
         let (output, new_rows) = reference(&rows)?;
         for (row, &slot) in self.host_slots.iter().enumerate() {
-            self.states
-                .slice_set(&new_rows.narrow(0, row, 1)?, 0, slot as usize)?;
+            if slot != PAD_SLOT {
+                self.states
+                    .slice_set(&new_rows.narrow(0, row, 1)?, 0, slot as usize)?;
+            }
         }
         Ok(output)
     }
@@ -305,8 +329,8 @@ fn validate_pool(pool: &Tensor, dims: &RecurrenceDims) -> Result<usize> {
 }
 
 /// Validates the slots of a [`StatePool`] call of `op` for `batch`
-/// sequences: `slots` a `u32` tensor `[B]`, `host_slots` `B` distinct values
-/// below `pool_rows`.
+/// sequences: `slots` a `u32` tensor `[B]`, `host_slots` `B` values, each
+/// below `pool_rows` or [`PAD_SLOT`], the ones below distinct.
 fn validate_slots(
     op: &'static str,
     slots: &Tensor,
@@ -329,7 +353,10 @@ fn validate_slots(
         ));
     }
     expect_dim(op, "host_slots", "length", host_slots.len(), batch)?;
-    if let Some(&slot) = host_slots.iter().find(|&&slot| slot as usize >= pool_rows) {
+    if let Some(&slot) = host_slots
+        .iter()
+        .find(|&&slot| slot != PAD_SLOT && slot as usize >= pool_rows)
+    {
         return Err(invalid_argument(
             op,
             "host_slots",
@@ -347,9 +374,14 @@ fn validate_slots(
 }
 
 /// A slot that `host_slots` gives more than one sequence, if any (the
-/// in-pool kernels take each sequence's state row once).
+/// in-pool kernels take each sequence's state row once); [`PAD_SLOT`] is no
+/// sequence's.
 pub fn repeated_slot(host_slots: &[u32]) -> Option<u32> {
-    let mut sorted = host_slots.to_vec();
+    let mut sorted: Vec<u32> = host_slots
+        .iter()
+        .copied()
+        .filter(|&slot| slot != PAD_SLOT)
+        .collect();
     sorted.sort_unstable();
     sorted
         .windows(2)

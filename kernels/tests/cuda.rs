@@ -24,7 +24,7 @@ use berrylm_kernels::{
     causal_conv1d_split_in_pool, contiguous, gated_rms_norm, kda_beta, kda_gate, kda_recurrence,
     kda_recurrence_in_pool_with, kda_recurrence_with, moe_experts, moe_experts_with, moe_route,
     offset_rms_norm, offset_rms_norm_rope, sigmoid_gate_mul, swiglu, KdaPrefillAlgorithm,
-    KernelError, MoeExpertsAlgorithm, Result, StatePool,
+    KernelError, MoeExpertsAlgorithm, Result, StatePool, PAD_SLOT,
 };
 use std::sync::OnceLock;
 
@@ -910,10 +910,40 @@ fn scattered_slots(rng: &mut Rng, batch: usize, rows: usize) -> Vec<u32> {
     all
 }
 
-/// Rows `slots` of `pool`, in that order, on the pool's device.
+/// `slots` with every third entry from the second made a pad row
+/// ([`PAD_SLOT`]): a decode batch padded to a graph's size.
+fn with_pad_rows(mut slots: Vec<u32>) -> Vec<u32> {
+    for slot in slots.iter_mut().skip(1).step_by(3) {
+        *slot = PAD_SLOT;
+    }
+    slots
+}
+
+/// Rows `slots` of `pool`, in that order, on the pool's device; a zero row
+/// for a [`PAD_SLOT`] (the state a pad row starts from).
 fn pool_rows(pool: &Tensor, slots: &[u32]) -> Result<Tensor> {
-    let ids = Tensor::new(slots, pool.device())?;
-    Ok(pool.index_select(&ids, 0)?)
+    if !slots.contains(&PAD_SLOT) {
+        return Ok(pool.index_select(&Tensor::new(slots, pool.device())?, 0)?);
+    }
+    let zero = pool.narrow(0, 0, 1)?.zeros_like()?;
+    let rows = slots
+        .iter()
+        .map(|&slot| match slot {
+            PAD_SLOT => Ok(zero.clone()),
+            slot => pool.narrow(0, slot as usize, 1),
+        })
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    Ok(Tensor::cat(&rows, 0)?)
+}
+
+/// The slots of `slots` that are pool rows, and their positions in it.
+fn real_slots(slots: &[u32]) -> (Vec<u32>, Vec<u32>) {
+    slots
+        .iter()
+        .enumerate()
+        .filter(|(_, &slot)| slot != PAD_SLOT)
+        .map(|(row, &slot)| (slot, row as u32))
+        .unzip()
 }
 
 /// One `kda_recurrence_in_pool_with` call (with the algorithm
@@ -925,10 +955,16 @@ fn pool_rows(pool: &Tensor, slots: &[u32]) -> Result<Tensor> {
 /// derived at that constant); every other row must be untouched bit for
 /// bit; and the CUDA results must equal bit for bit those of
 /// `kda_recurrence` on the gathered rows, which runs the same kernels.
-fn pool_case(seed: u64, s: RecSizes, qkv: DType) -> Result<()> {
+/// With `pad`, some rows are pad rows ([`with_pad_rows`]): they start from a
+/// zero state and write no row.
+fn pool_case(seed: u64, s: RecSizes, qkv: DType, pad: bool) -> Result<()> {
     let dev = gpu();
     let mut rng = Rng::new(seed);
-    let slots = scattered_slots(&mut rng, s.batch, POOL_ROWS);
+    let mut slots = scattered_slots(&mut rng, s.batch, POOL_ROWS);
+    if pad {
+        slots = with_pad_rows(slots);
+    }
+    let (real, real_rows) = real_slots(&slots);
     let pool = random(
         &mut rng,
         &[POOL_ROWS, s.hv, s.dk, s.dv],
@@ -972,12 +1008,12 @@ fn pool_case(seed: u64, s: RecSizes, qkv: DType) -> Result<()> {
     compare(&format!("{what} output"), &o_gpu, &o_cpu, tol)?;
     compare(
         &format!("{what} state rows"),
-        &pool_rows(&pool_gpu, &slots)?,
-        &pool_rows(&pool_cpu, &slots)?,
+        &pool_rows(&pool_gpu, &real)?,
+        &pool_rows(&pool_cpu, &real)?,
         tol,
     )?;
     let others: Vec<u32> = (0..POOL_ROWS as u32)
-        .filter(|row| !slots.contains(row))
+        .filter(|row| !real.contains(row))
         .collect();
     identical(
         &format!("{what} other rows"),
@@ -991,8 +1027,8 @@ fn pool_case(seed: u64, s: RecSizes, qkv: DType) -> Result<()> {
     )?;
     identical(
         &format!("{what} state rows vs kda_recurrence"),
-        &pool_rows(&pool_gpu, &slots)?,
-        &s_gathered.to_device(&Device::Cpu)?,
+        &pool_rows(&pool_gpu, &real)?,
+        &pool_rows(&s_gathered.to_device(&Device::Cpu)?, &real_rows)?,
     )?;
     Ok(())
 }
@@ -1003,14 +1039,14 @@ fn pool_case(seed: u64, s: RecSizes, qkv: DType) -> Result<()> {
 fn recurrence_in_pool_matches_cpu_at_model_shapes() -> Result<()> {
     let cases = pairs(&[1, 8, 64], &[1, 3]);
     sweep_seeds(900, cases, &F32_BF16, |seed, (batch, seq_len), qkv| {
-        pool_case(seed, model(batch, seq_len), qkv)
+        pool_case(seed, model(batch, seq_len), qkv, false)
     })
 }
 
 /// A prefill of 64 tokens continuing pooled states: the chunked kernels.
 #[test]
 fn recurrence_in_pool_chunked_prefill() -> Result<()> {
-    pool_case(950, model(8, 64), DType::BF16)
+    pool_case(950, model(8, 64), DType::BF16, false)
 }
 
 /// Odd head sizes (the `tiles` kernel with partial tiles and rows) in the pool.
@@ -1024,8 +1060,20 @@ fn recurrence_in_pool_matches_cpu_at_odd_shapes() -> Result<()> {
         dk: 65,
         dv: 33,
     };
-    pool_case(960, s(1), DType::F16)?;
-    pool_case(961, s(5), DType::F32)
+    pool_case(960, s(1), DType::F16, false)?;
+    pool_case(961, s(5), DType::F32, false)
+}
+
+/// Pad rows among a batch's sequences (a decode batch padded to a graph's
+/// size, and a prompt for the other kernels): zero initial states, no row
+/// written, the real rows as without them. Decode at B = 8 (`rows`) and 3
+/// (`tiles`), a 64-token prefill (the chunked kernels).
+#[test]
+fn recurrence_in_pool_pad_rows() -> Result<()> {
+    pool_case(970, model(8, 1), DType::BF16, true)?;
+    pool_case(971, model(3, 1), DType::BF16, true)?;
+    pool_case(972, model(8, 64), DType::BF16, true)?;
+    pool_case(973, model(4, 3), DType::F32, true)
 }
 
 // ------------------------------------------------------------ attn_res_mix
@@ -2165,46 +2213,64 @@ fn moe_experts_skip_ids_past_the_experts() -> Result<()> {
 /// `output_tol`; the whole pool, new rows and untouched ones, bit for bit.
 #[test]
 fn conv_in_pool_matches_cpu_at_model_shapes() -> Result<()> {
+    sweep(2700, CONV_MODEL_CALLS, &F32_BF16, |rng, call, dtype| {
+        conv_pool_case(rng, call, dtype, false)
+    })
+}
+
+/// Pad rows ([`with_pad_rows`]) in the conv pool: zero initial states, no
+/// row written, as on the CPU. Decode at B = 8 and a 200-token prompt.
+#[test]
+fn conv_in_pool_pad_rows() -> Result<()> {
+    sweep(2750, [(8, 1), (4, 200)], &F32_BF16, |rng, call, dtype| {
+        conv_pool_case(rng, call, dtype, true)
+    })
+}
+
+/// `causal_conv1d_split_in_pool` on the GPU against the CPU's, `pad` making
+/// some rows pad rows.
+fn conv_pool_case(
+    rng: &mut Rng,
+    (batch, seq_len): (usize, usize),
+    dtype: DType,
+    pad: bool,
+) -> Result<()> {
     let dev = gpu();
-    sweep(
-        2700,
-        CONV_MODEL_CALLS,
-        &F32_BF16,
-        |rng, (batch, seq_len), dtype| {
-            let slots = scattered_slots(rng, batch, POOL_ROWS);
-            let (x, weight) = conv_model_inputs(rng, (batch, seq_len), dtype)?;
-            let pool = random(rng, &[POOL_ROWS, CONV_DIM, CONV_K], -2.0, 2.0, DType::F32)?;
-            let what = format!(
-                "causal_conv1d_split_in_pool B={batch} T={seq_len} {dtype:?} slots {:?}",
-                &slots[..slots.len().min(4)]
-            );
+    let mut slots = scattered_slots(rng, batch, POOL_ROWS);
+    if pad {
+        slots = with_pad_rows(slots);
+    }
+    let (x, weight) = conv_model_inputs(rng, (batch, seq_len), dtype)?;
+    let pool = random(rng, &[POOL_ROWS, CONV_DIM, CONV_K], -2.0, 2.0, DType::F32)?;
+    let what = format!(
+        "causal_conv1d_split_in_pool B={batch} T={seq_len} {dtype:?} slots {:?}",
+        &slots[..slots.len().min(4)]
+    );
 
-            let pool_cpu = pool.copy()?;
-            let parts_cpu = causal_conv1d_split_in_pool(
-                &x,
-                &weight,
-                StatePool {
-                    states: &pool_cpu,
-                    slots: &Tensor::new(slots.as_slice(), &Device::Cpu)?,
-                    host_slots: &slots,
-                },
-                &CONV_WIDTHS,
-            )?;
-            let pool_gpu = to_gpu(&pool, &dev)?;
-            let parts_cuda = causal_conv1d_split_in_pool(
-                &to_gpu(&x, &dev)?,
-                &to_gpu(&weight, &dev)?,
-                StatePool {
-                    states: &pool_gpu,
-                    slots: &Tensor::new(slots.as_slice(), &dev)?,
-                    host_slots: &slots,
-                },
-                &CONV_WIDTHS,
-            )?;
-
-            assert_eq!(parts_cuda.len(), CONV_WIDTHS.len(), "{what}");
-            compare_parts(&what, &parts_cuda, &parts_cpu, output_tol(dtype))?;
-            identical(&format!("{what} pool"), &pool_gpu, &pool_cpu)
+    let pool_cpu = pool.copy()?;
+    let parts_cpu = causal_conv1d_split_in_pool(
+        &x,
+        &weight,
+        StatePool {
+            states: &pool_cpu,
+            slots: &Tensor::new(slots.as_slice(), &Device::Cpu)?,
+            host_slots: &slots,
         },
-    )
+        &CONV_WIDTHS,
+    )?;
+    let pool_gpu = to_gpu(&pool, &dev)?;
+    let parts_cuda = causal_conv1d_split_in_pool(
+        &to_gpu(&x, &dev)?,
+        &to_gpu(&weight, &dev)?,
+        StatePool {
+            states: &pool_gpu,
+            slots: &Tensor::new(slots.as_slice(), &dev)?,
+            host_slots: &slots,
+        },
+        &CONV_WIDTHS,
+    )?;
+
+    assert_eq!(parts_cuda.len(), CONV_WIDTHS.len(), "{what}");
+    compare_parts(&what, &parts_cuda, &parts_cpu, output_tol(dtype))?;
+    identical(&format!("{what} pool"), &pool_gpu, &pool_cpu)
 }

@@ -3,8 +3,9 @@
 //! CPU to queue them (docs/performance.md).
 //!
 //! A decode step under paged attention in half precision (every sequence
-//! feeding one token) is keyed by its number of sequences and its longest
-//! context rounded up to a power of two ([`GraphKey`]). The first step of a
+//! feeding one token) is keyed by its number of sequences, padded up to the
+//! next of the model's [`GraphBatches`], and its longest context rounded up
+//! to a power of two ([`GraphKey`]). The first step of a
 //! key runs eagerly (it loads every kernel and library handle it uses); the
 //! second is captured: the decoder layers, the final norm and the LM head
 //! run once on the stream in capture mode, reading fixed device buffers
@@ -15,8 +16,14 @@
 //! a copy of the logits. What the host computes for a step (the embedding
 //! gather, the rotary rows, the recurrent pools' token counts) stays outside
 //! the graph, as does everything with other shapes: prompts, f32 models,
-//! batch sizes outside the model's [`GraphBatches`], steps without paged
-//! attention.
+//! batches beyond the largest size, steps without paged attention.
+//!
+//! A step of fewer sequences than its key fills the remaining rows with pad
+//! rows: each attends over the first sequence's context, starts from a zero
+//! recurrent state ([`PAD_SLOT`]) and writes nothing (no recurrent state, no
+//! KV slot); its logits are dropped. Rows do not mix, so the real rows'
+//! logits are those of the eager forward up to the rounding of kernels that
+//! choose their algorithm by the number of rows (cuBLAS).
 //!
 //! A capture that fails (an operation the stream cannot record) is logged
 //! once and its key runs eagerly from then on; the replayed logits equal the
@@ -27,6 +34,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use berrylm_kernels::PAD_SLOT;
 use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph, CudaStream};
 use candle_core::{DType, Device, Result, Tensor};
 use mistralrs_core::plugin_api::{FlashParams, HybridCache, PagedAttentionInputMetadata};
@@ -45,9 +53,14 @@ const MIN_CONTEXT: usize = 512;
 
 const MIB: f64 = (1u64 << 20) as f64;
 
-/// What a decode graph is captured for: the batch's sequences and the
-/// longest context it attends over (the paged attention kernel's launch
-/// depends on it), rounded up to a power of two of at least [`MIN_CONTEXT`].
+/// The KV slot of a row with nothing to write (the host's `_PAD_SLOT_ID`:
+/// its cache kernel skips negative slots).
+const NO_KV_SLOT: i64 = -1;
+
+/// What a decode graph is captured for: the batch's rows (its sequences
+/// padded up to one of the model's [`GraphBatches`]) and the longest context
+/// it attends over (the paged attention kernel's launch depends on it),
+/// rounded up to a power of two of at least [`MIN_CONTEXT`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct GraphKey {
     rows: usize,
@@ -105,6 +118,9 @@ struct StaticBuffers {
     context_lens: Tensor,
     /// `[B, 1, vocab]`.
     logits: Tensor,
+    /// `[B]` [`PAD_SLOT`]s and [`NO_KV_SLOT`]s: the pad rows' slots.
+    pad_slots: Tensor,
+    no_kv_slots: Tensor,
 }
 
 /// The paged attention tensors of a decode step, as the host's decode
@@ -161,7 +177,8 @@ impl DecodeGraphs {
     }
 
     /// The logits `[B, 1, vocab]` of the decode step `batch` replayed from
-    /// its graph (captured first if this is the key's second step), with the
+    /// its graph, padded to the graph's rows (captured first if this is the
+    /// key's second step), with the
     /// caches updated as the eager forward updates them; `None` when the
     /// step is for the eager forward (not a decode step graphs take, the
     /// key's first step, or a key whose capture failed).
@@ -196,7 +213,8 @@ impl DecodeGraphs {
         }
 
         model.check_batch(batch, true)?;
-        let slots = model.recurrent_slots(cache, key.rows)?;
+        let rows = batch.token_counts.len();
+        let slots = model.recurrent_slots(cache, rows)?;
         if let Some(slot) = slots
             .as_ref()
             .and_then(|slots| berrylm_kernels::repeated_slot(&slots.host))
@@ -212,16 +230,18 @@ impl DecodeGraphs {
         if matches!(table.entries.get(&key), Some(Entry::WarmedUp)) {
             let started = Instant::now();
             let captured = block_size(paged)
-                .and_then(|block_size| {
-                    StaticBuffers::new(model, key, &inputs, slots.as_ref(), &step, block_size)
-                })
+                .and_then(|block_size| StaticBuffers::new(model, key, &inputs, &step, block_size))
                 .and_then(|buffers| {
-                    let host_slots = slots.as_ref().map(|slots| slots.host.as_slice());
+                    let host_slots = slots.as_ref().map(|slots| {
+                        let mut padded = slots.host.clone();
+                        padded.resize(key.rows, PAD_SLOT);
+                        padded
+                    });
                     let graph = capture(
                         model,
                         &stream,
                         &buffers,
-                        host_slots,
+                        host_slots.as_deref(),
                         cache,
                         paged,
                         flash_params,
@@ -263,7 +283,7 @@ impl DecodeGraphs {
         if let Some(slots) = &slots {
             advance_recurrent_offsets(cache, &slots.host, batch);
         }
-        Ok(Some(graph.buffers.logits.copy()?))
+        Ok(Some(graph.buffers.logits.narrow(0, 0, rows)?.copy()?))
     }
 }
 
@@ -294,8 +314,8 @@ impl GraphTable {
 }
 
 /// The key of a decode step graphs take: every sequence feeding one token
-/// in half precision, as many sequences as one of `batches`, under paged
-/// attention without a cached prefix to gather.
+/// in half precision, no more sequences than the largest of `batches`,
+/// under paged attention without a cached prefix to gather.
 fn graph_key(
     model: &BerryLm,
     batch: &ForwardBatch<'_>,
@@ -304,8 +324,10 @@ fn graph_key(
     batches: &GraphBatches,
 ) -> Result<Option<GraphKey>> {
     let (rows, seq_len) = batch.input_ids.dims2()?;
+    let Some(padded) = batches.padded(rows) else {
+        return Ok(None);
+    };
     let takes = seq_len == 1
-        && batches.contains(rows)
         && batch.token_counts.iter().all(|&count| count == 1)
         && model.dtype() != DType::F32
         && !paged.metadata.is_first_prompt_chunk
@@ -319,7 +341,10 @@ fn graph_key(
         .max(MIN_CONTEXT)
         .checked_next_power_of_two()
         .ok_or_else(|| candle_core::Error::Msg("a decode context beyond usize".into()))?;
-    Ok(Some(GraphKey { rows, context }))
+    Ok(Some(GraphKey {
+        rows: padded,
+        context,
+    }))
 }
 
 /// The tokens of a paged KV block (the key cache is `[blocks, kv_heads,
@@ -332,46 +357,53 @@ fn block_size(paged: &PagedKv<'_>) -> Result<usize> {
 }
 
 impl StaticBuffers {
-    /// Buffers of `key`'s shapes, like `inputs`, `slots` and `step`'s.
+    /// Buffers of `key`'s shapes, in the dtypes of `inputs` and `step`.
     fn new(
         model: &BerryLm,
         key: GraphKey,
         inputs: &StepInputs,
-        slots: Option<&RecurrentSlots>,
         step: &PagedStep<'_>,
         block_size: usize,
     ) -> Result<StaticBuffers> {
-        let like = |tensor: &Tensor| tensor.zeros_like();
-        let block_tables = Tensor::zeros(
-            (key.rows, key.context.div_ceil(block_size)),
-            step.block_tables.dtype(),
-            model.device(),
-        )?;
-        let slots = match slots {
-            Some(slots) => like(&slots.indices)?,
-            None => Tensor::zeros(key.rows, DType::U32, model.device())?,
+        let device = model.device();
+        let rows_of = |tensor: &Tensor| {
+            let mut dims = tensor.dims().to_vec();
+            dims[0] = key.rows;
+            Tensor::zeros(dims, tensor.dtype(), device)
         };
+        let slot_mapping = rows_of(&step.slot_mapping.flatten_all()?)?;
+        let no_kv_slots = Tensor::from_vec(vec![NO_KV_SLOT; key.rows], key.rows, device)?
+            .to_dtype(slot_mapping.dtype())?;
         Ok(StaticBuffers {
             key,
             inputs: StepInputs {
-                embedded: like(&inputs.embedded)?,
-                cos: like(&inputs.cos)?,
-                sin: like(&inputs.sin)?,
+                embedded: rows_of(&inputs.embedded)?,
+                cos: rows_of(&inputs.cos)?,
+                sin: rows_of(&inputs.sin)?,
             },
-            slots,
-            slot_mapping: like(&step.slot_mapping.flatten_all()?)?,
-            block_tables,
-            context_lens: like(step.context_lens)?,
+            slots: Tensor::zeros(key.rows, DType::U32, device)?,
+            slot_mapping,
+            block_tables: Tensor::zeros(
+                (key.rows, key.context.div_ceil(block_size)),
+                step.block_tables.dtype(),
+                device,
+            )?,
+            context_lens: rows_of(step.context_lens)?,
             logits: Tensor::zeros(
                 (key.rows, 1, model.config().vocab_size),
                 model.dtype(),
-                model.device(),
+                device,
             )?,
+            pad_slots: Tensor::from_vec(vec![PAD_SLOT; key.rows], key.rows, device)?,
+            no_kv_slots,
         })
     }
 
     /// Copies a step's inputs into the buffers (on the stream, before the
-    /// replay): the block tables into their leftmost columns.
+    /// replay): the block tables into their leftmost columns, and the rows
+    /// past the step's sequences made pad rows (the first sequence's context,
+    /// no recurrent or KV slot; their embeddings and rotary rows are left
+    /// from earlier steps: finite values whose results are dropped).
     fn load(
         &self,
         inputs: &StepInputs,
@@ -384,10 +416,33 @@ impl StaticBuffers {
         if let Some(slots) = slots {
             self.slots.slice_set(&slots.indices, 0, 0)?;
         }
+        let slot_mapping = step.slot_mapping.flatten_all()?;
+        let rows = slot_mapping.dim(0)?;
+        self.slot_mapping.slice_set(&slot_mapping, 0, 0)?;
+        self.block_tables
+            .narrow(0, 0, rows)?
+            .slice_set(step.block_tables, 1, 0)?;
+        self.context_lens.slice_set(step.context_lens, 0, 0)?;
+
+        let pad = self.key.rows - rows;
+        if pad == 0 {
+            return Ok(());
+        }
+        self.slots
+            .slice_set(&self.pad_slots.narrow(0, 0, pad)?, 0, rows)?;
         self.slot_mapping
-            .slice_set(&step.slot_mapping.flatten_all()?, 0, 0)?;
-        self.block_tables.slice_set(step.block_tables, 1, 0)?;
-        self.context_lens.slice_set(step.context_lens, 0, 0)
+            .slice_set(&self.no_kv_slots.narrow(0, 0, pad)?, 0, rows)?;
+        let first_of = |tensor: &Tensor, dims: &[usize]| {
+            tensor.narrow(0, 0, 1)?.broadcast_as(dims)?.contiguous()
+        };
+        let (_, columns) = step.block_tables.dims2()?;
+        self.block_tables.narrow(0, rows, pad)?.slice_set(
+            &first_of(step.block_tables, &[pad, columns])?,
+            1,
+            0,
+        )?;
+        self.context_lens
+            .slice_set(&first_of(step.context_lens, &[pad])?, 0, rows)
     }
 
     /// The paged attention metadata of the capture: the step's, reading the
@@ -421,6 +476,8 @@ impl StaticBuffers {
             &self.block_tables,
             &self.context_lens,
             &self.logits,
+            &self.pad_slots,
+            &self.no_kv_slots,
         ]
         .iter()
         .map(|tensor| tensor.elem_count() * tensor.dtype().size_in_bytes())

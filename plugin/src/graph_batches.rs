@@ -9,7 +9,8 @@ use std::str::FromStr;
 pub const LARGEST: usize = 256;
 
 /// A set of batch sizes (numbers of sequences, 1 to [`LARGEST`]) whose decode
-/// steps are captured; steps of other sizes run eagerly.
+/// steps are captured; a step of another size replays the next larger size's
+/// graph with pad rows, and steps beyond the largest run eagerly.
 #[derive(Clone, PartialEq, Eq)]
 pub struct GraphBatches {
     /// `taken[b]`: batches of `b` sequences are captured.
@@ -37,9 +38,16 @@ impl GraphBatches {
         Some(GraphBatches { taken })
     }
 
-    /// Whether decode steps of `rows` sequences are captured.
+    /// Whether decode steps of `rows` sequences are captured at their own size.
     pub fn contains(&self, rows: usize) -> bool {
         self.taken.get(rows).copied().unwrap_or(false)
+    }
+
+    /// The size a decode step of `rows` sequences replays at: the smallest
+    /// size of at least `rows` (the step padded to it), `None` beyond the
+    /// largest.
+    pub fn padded(&self, rows: usize) -> Option<usize> {
+        self.sizes().find(|&size| size >= rows.max(1))
     }
 
     /// The sizes, in increasing order.
@@ -113,6 +121,22 @@ mod tests {
         assert!(!standard.contains(0));
         assert!(!standard.contains(9));
         assert!(!standard.contains(257));
+    }
+
+    #[test]
+    fn steps_pad_to_the_next_size() {
+        let standard = GraphBatches::standard();
+        let padded: Vec<Option<usize>> = [1, 8, 9, 16, 17, 40, 64, 65, 200, 256, 257]
+            .into_iter()
+            .map(|rows| standard.padded(rows))
+            .collect();
+        let sizes = [1, 8, 16, 16, 32, 64, 64, 128, 256, 256];
+        let mut expected: Vec<Option<usize>> = sizes.into_iter().map(Some).collect();
+        expected.push(None);
+        assert_eq!(padded, expected);
+        let sparse: GraphBatches = "4,8".parse().unwrap();
+        assert_eq!(sparse.padded(1), Some(4));
+        assert_eq!(sparse.padded(9), None);
     }
 
     #[test]

@@ -429,12 +429,12 @@ __global__ void __launch_bounds__(kStateThreads)
     // The state tile: rows c = 32 warp + 16 mt + g8 (+8), columns
     // 8 nt + 2 t4 (+1), in C-fragment order.
     const long long row = state_row(args, b);
-    if (row < 0) return;  // the whole block: before any barrier or cp.async
-    const long long state_base = (row * hv + h) * dk * dv;
+    const bool pooled = row >= 0;  // else a pad row: a zero state, none written
+    const long long state_base = pooled ? (row * hv + h) * dk * dv : 0;
     float s[2][4][4];
     for_each_state_register(warp, g8, t4, [&](int mt, int nt, int reg, int c, int e) {
         const int col = col0 + e;
-        s[mt][nt][reg] = (c < dk && col < dv)
+        s[mt][nt][reg] = (pooled && c < dk && col < dv)
                              ? args.state_in[state_base + static_cast<long long>(c) * dv + col]
                              : 0.0f;
         sS[c][e] = tf32(s[mt][nt][reg]);
@@ -552,7 +552,7 @@ __global__ void __launch_bounds__(kStateThreads)
 
     for_each_state_register(warp, g8, t4, [&](int mt, int nt, int reg, int c, int e) {
         const int col = col0 + e;
-        if (c < dk && col < dv) {
+        if (pooled && c < dk && col < dv) {
             args.state_out[state_base + static_cast<long long>(c) * dv + col] = s[mt][nt][reg];
         }
     });

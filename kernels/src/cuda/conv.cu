@@ -16,9 +16,9 @@
 // r(b) = b without slots (separate [B, C, K] state and new_state buffers),
 // r(b) = slots[b] with them, for a pool from whose rows the states are read
 // and into whose rows the new ones are written in place (new_state ==
-// state). A slot >= rows makes its sequence a no-op (no
-// state read or written, its outputs left unwritten); the Rust API validates
-// the slots on the host, so this only guards memory outside the pool.
+// state). A slot >= rows makes its sequence a pad row (PAD_SLOT in the Rust
+// API): it starts from a zero state and writes none. The Rust API validates
+// the other slots on the host.
 //
 // One thread per (b, c, chunk of kChunk time steps); threads of a block span
 // consecutive channels so that every x/out access is coalesced. The thread of
@@ -55,27 +55,28 @@ struct OutputGroups {
 template <typename TX, typename TS>
 struct History {
     const TX* x;
-    const TS* state;
+    const TS* state;       // null: a zero state (a pad row)
     long long x_base;      // index of x[b, 0, c]
     long long state_base;  // index of state[r(b), c, 0]
     int channels;
     int kernel_size;
     // The history of channel c of sequence b, whose state is row `row` of
-    // `state` ([rows, C, K]).
+    // `state` ([rows, C, K]); zeros for row -1.
     __device__ __forceinline__ static History of(const TX* x, const TS* state, int b, int c,
                                                  long long row, int seq_len, int channels,
                                                  int kernel_size) {
         return History{x,
-                       state,
+                       row >= 0 ? state : nullptr,
                        static_cast<long long>(b) * seq_len * channels + c,
-                       (row * channels + c) * kernel_size,
+                       row >= 0 ? (row * channels + c) * kernel_size : 0,
                        channels,
                        kernel_size};
     }
     __device__ __forceinline__ float operator()(int i) const {
-        return i < kernel_size
-                   ? berrylm::to_f32(state[state_base + i])
-                   : berrylm::to_f32(x[x_base + static_cast<long long>(i - kernel_size) * channels]);
+        if (i >= kernel_size) {
+            return berrylm::to_f32(x[x_base + static_cast<long long>(i - kernel_size) * channels]);
+        }
+        return state != nullptr ? berrylm::to_f32(state[state_base + i]) : 0.0f;
     }
 };
 
@@ -88,7 +89,7 @@ struct StateRows {
     int rows;
 };
 
-// r(b), or -1 when slots[b] is out of range.
+// r(b), or -1 when slots[b] is out of range (a pad row).
 template <typename TS>
 __device__ __forceinline__ long long state_row(const StateRows<TS>& rows, int b) {
     if (rows.slots == nullptr) return b;
@@ -118,7 +119,6 @@ __global__ void __launch_bounds__(kThreads)
     if (c >= channels) return;
     const int b = blockIdx.z;
     const long long row = state_row(rows, b);
-    if (row < 0) return;
     const int t0 = blockIdx.y * kChunk;
     const int t1 = min(seq_len, t0 + kChunk);
     const int k = KC > 0 ? KC : kernel_size;
@@ -156,7 +156,7 @@ __global__ void __launch_bounds__(kThreads)
         }
     }
 
-    if (rows.new_state != nullptr && blockIdx.y == gridDim.y - 1) {
+    if (row >= 0 && rows.new_state != nullptr && blockIdx.y == gridDim.y - 1) {
         write_new_state(history, rows.new_state + history.state_base, seq_len);
     }
 }
@@ -257,7 +257,7 @@ using namespace berrylm::conv;
 // new one to that row of `new_state`; with `slots` null, row b (state_rows =
 // batch). `new_state` may equal `state`: a pool read and updated in place,
 // whose slots must be distinct. A slot >= state_rows makes its sequence a
-// no-op.
+// pad row (a zero state, none written).
 extern "C" int berrylm_causal_conv1d(int x_dtype, int state_dtype, const void* x,
                                      const float* weight, const void* state, void* new_state,
                                      const uint32_t* slots, int state_rows, void* const* outs,

@@ -79,13 +79,13 @@ __global__ void __launch_bounds__(NW * 32)
     const T* v = static_cast<const T*>(args.v);
 
     const long long row = state_row(args, b);
-    if (row < 0) return;  // the whole block: before any barrier
-    const long long state_base = (row * hv + h) * dk * dv;
+    const bool pooled = row >= 0;  // else a pad row: a zero state, none written
+    const long long state_base = pooled ? (row * hv + h) * dk * dv : 0;
     float s[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const int c = row0 + r;
-        s[r] = (column && c < dk)
+        s[r] = (pooled && column && c < dk)
                    ? __ldcs(args.state_in + state_base + static_cast<long long>(c) * dv + e)
                    : 0.0f;
     }
@@ -193,7 +193,7 @@ __global__ void __launch_bounds__(NW * 32)
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const int c = row0 + r;
-        if (column && c < dk) {
+        if (pooled && column && c < dk) {
             __stcs(args.state_out + state_base + static_cast<long long>(c) * dv + e, s[r]);
         }
     }
@@ -224,8 +224,8 @@ __global__ void __launch_bounds__(kRowsWarps * 32, 2)
 
     const long long head = static_cast<long long>(b) * hv + h;  // seq_len == 1
     const long long row = state_row(args, b);
-    if (row < 0) return;  // the whole block: before any barrier
-    const long long state_head = row * hv + h;
+    const bool pooled = row >= 0;  // else a pad row: a zero state, none written
+    const long long state_head = pooled ? row * hv + h : 0;
     const float4* state_in =
         reinterpret_cast<const float4*>(args.state_in + state_head * dk * kRowsDv) + lane;
     float4* state_out =
@@ -235,7 +235,8 @@ __global__ void __launch_bounds__(kRowsWarps * 32, 2)
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) {
         const int c = row0 + r;
-        s[r] = c < dk ? __ldcs(state_in + c * (kRowsDv / 4)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        s[r] = pooled && c < dk ? __ldcs(state_in + c * (kRowsDv / 4))
+                                : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 
     const T* q = static_cast<const T*>(args.q);
@@ -301,7 +302,7 @@ __global__ void __launch_bounds__(kRowsWarps * 32, 2)
             o.y += s[r].y * qc;
             o.z += s[r].z * qc;
             o.w += s[r].w * qc;
-            __stcs(state_out + c * (kRowsDv / 4), s[r]);
+            if (pooled) __stcs(state_out + c * (kRowsDv / 4), s[r]);
         }
     }
     __syncthreads();  // everyone has read red (u) before it is reused for o
@@ -374,8 +375,8 @@ extern "C" int berrylm_kda_recurrence_max_key_dim() { return 256; }
 // and writes its final state to that row of `state_out`; with `slots` null,
 // from row b (state_rows = batch). `state_out` may equal `state_in`: a pool
 // read and updated in place, whose slots must be distinct. A slot >=
-// state_rows makes its sequence a no-op (nothing read or written, outputs
-// unwritten).
+// state_rows makes its sequence a pad row: it starts from a zero state and
+// writes none.
 //
 // `prefill_algorithm` selects how calls with T > 1 are computed:
 //   0 (kPrefillSequential): the token-by-token `tiles` kernel (f32);

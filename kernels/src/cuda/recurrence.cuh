@@ -24,9 +24,9 @@ struct RecurrenceArgs {
 };
 
 // The state row of sequence b: slots[b] for a pool, else b; -1 when the slot
-// is out of range, and then the sequence's block does nothing (no state
-// read or written, its outputs left unwritten). The Rust API validates the
-// slots on the host, so this only guards memory outside the pool.
+// is out of range: a pad row (PAD_SLOT in the Rust API), which starts from a
+// zero state and writes no state. The Rust API validates the other slots on
+// the host, so out-of-range values other than PAD_SLOT never come.
 //
 // In place (state_in == state_out) is safe in every kernel using this: each
 // thread loads its own state elements into registers before any write and

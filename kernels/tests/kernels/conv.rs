@@ -1,5 +1,5 @@
 use berrylm_kernels::{
-    causal_conv1d, causal_conv1d_split, causal_conv1d_split_in_pool, Result, StatePool,
+    causal_conv1d, causal_conv1d_split, causal_conv1d_split_in_pool, Result, StatePool, PAD_SLOT,
 };
 use candle_core::{DType, Device, Tensor};
 
@@ -310,6 +310,65 @@ fn in_pool_equals_split_on_gathered_rows() -> Result<()> {
     Ok(())
 }
 
+/// Pad rows ([`PAD_SLOT`]) convolve from a zero state (a fresh
+/// sequence's) and write no row of the pool; the real rows beside them are
+/// unaffected.
+#[test]
+fn pad_rows_start_from_zero_and_write_no_row() -> Result<()> {
+    let host_slots = [PAD_SLOT, 4, PAD_SLOT, 0];
+    let batch = host_slots.len();
+    let widths = [2, 1];
+    for seq_len in [1, 5] {
+        let mut rng = Rng::new(100 + seq_len as u64);
+        let x = tensor(
+            rng.uniform_vec(batch * seq_len * CHANNELS, -2.0, 2.0),
+            &[batch, seq_len, CHANNELS],
+        )?;
+        let weight = tensor(
+            rng.uniform_vec(CHANNELS * KERNEL, -1.0, 1.0),
+            &[CHANNELS, KERNEL],
+        )?;
+        let pool = tensor(
+            rng.uniform_vec(POOL_ROWS * CHANNELS * KERNEL, -2.0, 2.0),
+            &[POOL_ROWS, CHANNELS, KERNEL],
+        )?;
+        let original = pool.copy()?;
+        let zero = Tensor::zeros((1, CHANNELS, KERNEL), DType::F32, &Device::Cpu)?;
+        let start = Tensor::cat(
+            &[
+                zero.clone(),
+                pool.narrow(0, 4, 1)?,
+                zero,
+                pool.narrow(0, 0, 1)?,
+            ],
+            0,
+        )?;
+        let (expected, expected_state) = causal_conv1d_split(&x, &weight, &start, &widths)?;
+
+        let outputs = causal_conv1d_split_in_pool(
+            &x,
+            &weight,
+            StatePool {
+                states: &pool,
+                slots: &Tensor::new(&host_slots, &Device::Cpu)?,
+                host_slots: &host_slots,
+            },
+            &widths,
+        )?;
+
+        for (output, expected) in outputs.iter().zip(&expected) {
+            assert_identical(output, expected)?;
+        }
+        assert_identical(
+            &pool_rows(&pool, &[4, 0])?,
+            &pool_rows(&expected_state, &[1, 3])?,
+        )?;
+        let others = [1, 2, 3, 5, 6];
+        assert_identical(&pool_rows(&pool, &others)?, &pool_rows(&original, &others)?)?;
+    }
+    Ok(())
+}
+
 /// Slots out of range, duplicated, of the wrong count or disagreeing with
 /// `host_slots`, and pools of the wrong shape or layout are rejected naming
 /// the argument, and leave the pool unchanged.
@@ -333,6 +392,7 @@ fn in_pool_rejects_bad_slots_and_pools() -> Result<()> {
     for (slot_values, host_slots, arg) in [
         // Out of range.
         (vec![4, 1], vec![4, 1], "host_slots"),
+        (vec![PAD_SLOT - 1, 1], vec![PAD_SLOT - 1, 1], "host_slots"),
         // Duplicated.
         (vec![2, 2], vec![2, 2], "host_slots"),
         // Too few host slots.

@@ -1,6 +1,6 @@
 use berrylm_kernels::{
-    kda_recurrence, kda_recurrence_in_pool_with, kda_recurrence_with, KdaPrefillAlgorithm, Result,
-    StatePool,
+    kda_recurrence, kda_recurrence_in_pool_with, kda_recurrence_with, repeated_slot,
+    KdaPrefillAlgorithm, Result, StatePool, PAD_SLOT,
 };
 use candle_core::{DType, Device, Tensor};
 
@@ -364,10 +364,20 @@ fn random_pool(seed: u64, sizes: Sizes, rows: usize) -> Result<Tensor> {
     )
 }
 
-/// Rows `slots` of `pool`, in that order.
+/// Rows `slots` of `pool`, in that order; a zero state for [`PAD_SLOT`].
 fn gather(pool: &Tensor, slots: &[u32]) -> Result<Tensor> {
-    let ids = Tensor::new(slots, &Device::Cpu)?;
-    Ok(pool.index_select(&ids, 0)?)
+    if !slots.contains(&PAD_SLOT) {
+        return Ok(pool.index_select(&Tensor::new(slots, &Device::Cpu)?, 0)?);
+    }
+    let zero = pool.narrow(0, 0, 1)?.zeros_like()?;
+    let rows = slots
+        .iter()
+        .map(|&slot| match slot {
+            PAD_SLOT => Ok(zero.clone()),
+            slot => pool.narrow(0, slot as usize, 1),
+        })
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    Ok(Tensor::cat(&rows, 0)?)
 }
 
 fn run_in_pool(inputs: &RecurrenceInputs, pool: &Tensor, slots: &[u32]) -> Result<Tensor> {
@@ -383,15 +393,23 @@ fn run_in_pool(inputs: &RecurrenceInputs, pool: &Tensor, slots: &[u32]) -> Resul
 
 /// Runs `kda_recurrence_in_pool_with` (with the algorithm `kda_recurrence`
 /// picks) on a copy of `pool` and checks it against `kda_recurrence` on the
-/// gathered rows: identical outputs, rows `slots` identical to the final
-/// states, every other row untouched (bit for bit).
+/// gathered rows (a zero state for a [`PAD_SLOT`]): identical outputs, rows
+/// `slots` identical to the final states, every other row untouched (bit
+/// for bit).
 fn check_in_pool(inputs: &RecurrenceInputs, pool: &Tensor, slots: &[u32]) -> Result<()> {
     let state = gather(pool, slots)?;
     let (expected_output, expected_state) = run_from(inputs, &state)?;
     let updated = pool.copy()?;
     let output = run_in_pool(inputs, &updated, slots)?;
     assert_identical(&output, &expected_output)?;
-    assert_identical(&gather(&updated, slots)?, &expected_state)?;
+    for (row, &slot) in slots.iter().enumerate() {
+        if slot != PAD_SLOT {
+            assert_identical(
+                &updated.narrow(0, slot as usize, 1)?,
+                &expected_state.narrow(0, row, 1)?,
+            )?;
+        }
+    }
     let rows = pool.dims()[0];
     for row in (0..rows).filter(|row| !slots.contains(&(*row as u32))) {
         assert_identical(&updated.narrow(0, row, 1)?, &pool.narrow(0, row, 1)?)?;
@@ -419,6 +437,26 @@ fn in_pool_accepts_any_slot_order_and_the_last_row() -> Result<()> {
         let pool = random_pool(23, sizes, POOL_ROWS)?;
         check_in_pool(&inputs(22, sizes, false)?, &pool, &slots)?;
     }
+    Ok(())
+}
+
+/// Rows of a batch padded to a graph's size: each starts from a zero state
+/// (a fresh sequence's) and writes no row of the pool, wherever it sits.
+#[test]
+fn pad_rows_start_from_zero_and_write_no_row() -> Result<()> {
+    for slots in [
+        vec![PAD_SLOT],
+        vec![5, PAD_SLOT, PAD_SLOT],
+        vec![PAD_SLOT, 8, PAD_SLOT, 0],
+    ] {
+        for seq_len in [1, 3] {
+            let sizes = GROUPED_SIZES.with_batch(slots.len(), seq_len);
+            let pool = random_pool(31, sizes, POOL_ROWS)?;
+            check_in_pool(&inputs(30, sizes, false)?, &pool, &slots)?;
+        }
+    }
+    assert_eq!(repeated_slot(&[PAD_SLOT, 3, PAD_SLOT]), None);
+    assert_eq!(repeated_slot(&[PAD_SLOT, 3, 3]), Some(3));
     Ok(())
 }
 
