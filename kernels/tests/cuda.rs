@@ -30,7 +30,7 @@ use std::sync::OnceLock;
 
 use candle_core::{DType, Device, Tensor};
 
-use common::{f32_values, tensor, Rng};
+use common::{f32_values, pool_rows, tensor, Rng};
 
 const HIDDEN: usize = 2048;
 const HK: usize = 16;
@@ -917,23 +917,6 @@ fn with_pad_rows(mut slots: Vec<u32>) -> Vec<u32> {
         *slot = PAD_SLOT;
     }
     slots
-}
-
-/// Rows `slots` of `pool`, in that order, on the pool's device; a zero row
-/// for a [`PAD_SLOT`] (the state a pad row starts from).
-fn pool_rows(pool: &Tensor, slots: &[u32]) -> Result<Tensor> {
-    if !slots.contains(&PAD_SLOT) {
-        return Ok(pool.index_select(&Tensor::new(slots, pool.device())?, 0)?);
-    }
-    let zero = pool.narrow(0, 0, 1)?.zeros_like()?;
-    let rows = slots
-        .iter()
-        .map(|&slot| match slot {
-            PAD_SLOT => Ok(zero.clone()),
-            slot => pool.narrow(0, slot as usize, 1),
-        })
-        .collect::<candle_core::Result<Vec<_>>>()?;
-    Ok(Tensor::cat(&rows, 0)?)
 }
 
 /// The slots of `slots` that are pool rows, and their positions in it.

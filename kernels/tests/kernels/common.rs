@@ -1,6 +1,6 @@
 //! Helpers shared by the kernel tests.
 
-use berrylm_kernels::{KernelError, Result};
+use berrylm_kernels::{KernelError, Result, PAD_SLOT};
 use candle_core::{DType, Device, Tensor};
 
 /// A small deterministic PRNG (SplitMix64).
@@ -86,4 +86,21 @@ pub fn assert_rejects<T: std::fmt::Debug>(result: Result<T>, op: &str, arg: &str
 /// `x * sigmoid(x)` in `f64`.
 pub fn silu(x: f64) -> f64 {
     x / (1.0 + (-x).exp())
+}
+
+/// Rows `slots` of a state pool, in that order, on the pool's device; a zero
+/// row for a [`PAD_SLOT`] (the state a pad row starts from).
+pub fn pool_rows(pool: &Tensor, slots: &[u32]) -> Result<Tensor> {
+    if !slots.contains(&PAD_SLOT) {
+        return Ok(pool.index_select(&Tensor::new(slots, pool.device())?, 0)?);
+    }
+    let zero = pool.narrow(0, 0, 1)?.zeros_like()?;
+    let rows = slots
+        .iter()
+        .map(|&slot| match slot {
+            PAD_SLOT => Ok(zero.clone()),
+            slot => pool.narrow(0, slot as usize, 1),
+        })
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    Ok(Tensor::cat(&rows, 0)?)
 }

@@ -4,7 +4,8 @@ use berrylm_kernels::{
 use candle_core::{DType, Device, Tensor};
 
 use crate::common::{
-    assert_close, assert_identical, assert_rejects, f32_values, f64_values, silu, tensor, Rng,
+    assert_close, assert_identical, assert_rejects, f32_values, f64_values, pool_rows, silu,
+    tensor, Rng,
 };
 
 const BATCH: usize = 2;
@@ -238,11 +239,6 @@ fn split_rejects_widths_that_do_not_cover_the_channels() -> Result<()> {
 
 /// Rows of the in-pool tests' pool.
 const POOL_ROWS: usize = 7;
-
-/// Rows `rows` of `pool`, in that order.
-fn pool_rows(pool: &Tensor, rows: &[u32]) -> Result<Tensor> {
-    Ok(pool.index_select(&Tensor::new(rows, &Device::Cpu)?, 0)?)
-}
 
 /// The in-pool convolution equals `causal_conv1d_split` on the gathered rows
 /// bit for bit: the outputs, and the new states written to the rows of the

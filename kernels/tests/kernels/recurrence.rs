@@ -4,7 +4,9 @@ use berrylm_kernels::{
 };
 use candle_core::{DType, Device, Tensor};
 
-use crate::common::{assert_close, assert_identical, f32_values, f64_values, tensor, Rng};
+use crate::common::{
+    assert_close, assert_identical, f32_values, f64_values, pool_rows, tensor, Rng,
+};
 
 #[derive(Clone, Copy)]
 struct Sizes {
@@ -364,22 +366,6 @@ fn random_pool(seed: u64, sizes: Sizes, rows: usize) -> Result<Tensor> {
     )
 }
 
-/// Rows `slots` of `pool`, in that order; a zero state for [`PAD_SLOT`].
-fn gather(pool: &Tensor, slots: &[u32]) -> Result<Tensor> {
-    if !slots.contains(&PAD_SLOT) {
-        return Ok(pool.index_select(&Tensor::new(slots, &Device::Cpu)?, 0)?);
-    }
-    let zero = pool.narrow(0, 0, 1)?.zeros_like()?;
-    let rows = slots
-        .iter()
-        .map(|&slot| match slot {
-            PAD_SLOT => Ok(zero.clone()),
-            slot => pool.narrow(0, slot as usize, 1),
-        })
-        .collect::<candle_core::Result<Vec<_>>>()?;
-    Ok(Tensor::cat(&rows, 0)?)
-}
-
 fn run_in_pool(inputs: &RecurrenceInputs, pool: &Tensor, slots: &[u32]) -> Result<Tensor> {
     let algorithm = KdaPrefillAlgorithm::for_len(inputs.q.dims()[1]);
     let [q, k, v, g, beta] = inputs.tokens();
@@ -397,7 +383,7 @@ fn run_in_pool(inputs: &RecurrenceInputs, pool: &Tensor, slots: &[u32]) -> Resul
 /// `slots` identical to the final states, every other row untouched (bit
 /// for bit).
 fn check_in_pool(inputs: &RecurrenceInputs, pool: &Tensor, slots: &[u32]) -> Result<()> {
-    let state = gather(pool, slots)?;
+    let state = pool_rows(pool, slots)?;
     let (expected_output, expected_state) = run_from(inputs, &state)?;
     let updated = pool.copy()?;
     let output = run_in_pool(inputs, &updated, slots)?;
@@ -482,11 +468,11 @@ fn in_pool_writes_through_shared_storage() -> Result<()> {
     let view = whole.narrow(0, 1, POOL_ROWS)?;
     let handle = view.clone();
     let slots = [3, 0];
-    let state = gather(&view, &slots)?;
+    let state = pool_rows(&view, &slots)?;
     let (_, expected_state) = run_from(&inputs, &state)?;
     run_in_pool(&inputs, &view, &slots)?;
-    assert_identical(&gather(&handle, &slots)?, &expected_state)?;
-    assert_identical(&gather(&whole, &[4, 1])?, &expected_state)?;
+    assert_identical(&pool_rows(&handle, &slots)?, &expected_state)?;
+    assert_identical(&pool_rows(&whole, &[4, 1])?, &expected_state)?;
     for row in [0, 2, 3, 5, 6, 7, 8, 9] {
         assert_identical(&whole.narrow(0, row, 1)?, &original.narrow(0, row, 1)?)?;
     }
@@ -505,7 +491,7 @@ fn in_pool_decode_steps_equal_one_call() -> Result<()> {
         &whole.v,
         &whole.g,
         &whole.beta,
-        &gather(&pool, &slots)?,
+        &pool_rows(&pool, &slots)?,
     )?;
     let updated = pool.copy()?;
     let mut outputs = Vec::new();
@@ -525,5 +511,5 @@ fn in_pool_decode_steps_equal_one_call() -> Result<()> {
         outputs.push(run_in_pool(&step, &updated, &slots)?);
     }
     assert_identical(&Tensor::cat(&outputs, 1)?, &whole_output)?;
-    assert_identical(&gather(&updated, &slots)?, &whole_state)
+    assert_identical(&pool_rows(&updated, &slots)?, &whole_state)
 }
