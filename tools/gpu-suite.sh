@@ -24,7 +24,7 @@
 # $SCALE_ISQ at once: load time, memory, batch-1 decode end to end alternated
 # between them, the sweep at concurrency 64),
 # scale-align-isq (that checkpoint quantized to each type of $SCALE_ISQ,
-# teacher-forced against the unquantized bf16 model), isq (the ISQ and UQFF
+# teacher-forced against the unquantized bf16 model over 3000 positions), isq (the ISQ and UQFF
 # serving tests on the GPU), scale-profile (perf's most sampled symbols of the
 # server while 64 streams decode on that checkpoint), scale-interference (16
 # streams on that checkpoint while a
@@ -202,16 +202,22 @@ scale_isq() {
 }
 
 # The scale-align-isq step: the 40-layer checkpoint quantized to each type of
-# $SCALE_ISQ against the unquantized bf16 model, teacher-forced on the ids of
-# the bundled model's golden file: the bf16 run writes its own golden file
-# first (its comparison with the bundled model's logits fails: another
-# vocabulary, exit status 2), then each quantized run is compared with it.
+# $SCALE_ISQ against the unquantized bf16 model, teacher-forced on
+# $SCALE_ALIGN_SEQUENCES (default 3) sequences of $SCALE_ALIGN_TOKENS
+# (default 1000) seeded random ids (tools/token_golden.py): the bf16 run
+# writes its own golden file first (its comparison with the token file's
+# placeholder logits is not read), then each quantized run is compared
+# with it.
 scale_align_isq() {
-    local golden=/tmp/berrylm-os-40l-bf16-golden.safetensors isq code=0
+    local tokens=/tmp/berrylm-os-40l-tokens.safetensors
+    local golden=/tmp/berrylm-os-40l-bf16-golden.safetensors isq code=0 vocab
     scale_checkpoint || return 1
-    "$BIN/berrylm-align" --model "$SCALE_CHECKPOINT" \
-        --golden tests/fixtures/trained-tiny/golden.safetensors --dtype bf16 --device cuda \
-        --teacher-forced-only --write-golden "$golden" > /dev/null
+    vocab="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["vocab_size"])' \
+        "$SCALE_CHECKPOINT/config.json")" || return 1
+    python3 tools/token_golden.py --out "$tokens" --vocab "$vocab" \
+        --sequences "${SCALE_ALIGN_SEQUENCES:-3}" --tokens "${SCALE_ALIGN_TOKENS:-1000}" || return 1
+    "$BIN/berrylm-align" --model "$SCALE_CHECKPOINT" --golden "$tokens" --dtype bf16 \
+        --device cuda --teacher-forced-only --write-golden "$golden" > /dev/null
     [ -f "$golden" ] || return 1
     for isq in ${SCALE_ISQ:-q4k q8_0}; do
         "$BIN/berrylm-align" --model "$SCALE_CHECKPOINT" --golden "$golden" --dtype bf16 \

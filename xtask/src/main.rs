@@ -368,6 +368,13 @@ fn test(repo: &Repo) -> Result<()> {
             .current_dir(&repo.root)
             .args(["tools/test_load_test.py", "-v"]),
     )?;
+    run_step(
+        "testing the step timeline and token golden tools \
+         (tools/test_timeline_and_token_golden.py, standard library only)",
+        Command::new("python3")
+            .current_dir(&repo.root)
+            .args(["tools/test_timeline_and_token_golden.py", "-v"]),
+    )?;
     build_workspace(repo, &options)?;
     run_step(
         "testing the workspace",
