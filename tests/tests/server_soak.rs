@@ -100,13 +100,23 @@ fn a_two_minute_soak_fails_no_request_frees_every_slot_and_keeps_memory_flat() -
         "the tool exited with {}",
         output.status
     );
-    let completed = figures["completed"].as_u64().unwrap_or_default();
+    // Every path the soak takes was taken: each kind of chat completed at
+    // least once, some streams were hung up and an invalid request refused.
+    // (How many requests two minutes hold depends on the machine: 67 to 225
+    // on the 2-core development machine.)
+    let kinds = &figures["by_request_kind"];
+    for kind in ["plain", "tools", "reasoning", "continue"] {
+        let completed = kinds[kind]["completed"].as_u64().unwrap_or_default();
+        ensure!(
+            completed > 0,
+            "no {kind} request completed in the soak: {kinds:#}"
+        );
+    }
     let hung_up = figures["hung_up"].as_u64().unwrap_or_default();
     let refused = figures["refused"].as_u64().unwrap_or_default();
     ensure!(
-        completed >= 100 && hung_up > 0 && refused > 0,
-        "{completed} requests completed, {hung_up} hung up and {refused} invalid ones were \
-         refused in the soak"
+        hung_up > 0 && refused > 0,
+        "{hung_up} requests hung up and {refused} invalid ones were refused in the soak"
     );
 
     let occupancy = &figures["occupancy"];
