@@ -19,16 +19,23 @@ struct ConvInputs {
     state: Tensor,
 }
 
-fn inputs(seed: u64, seq_len: usize, fresh: bool) -> Result<ConvInputs> {
-    let mut rng = Rng::new(seed);
+/// Random `x` `[batch, seq_len, C]` and `weight` `[C, K]`, drawn from `rng`
+/// in that order.
+fn random_x_and_weight(rng: &mut Rng, batch: usize, seq_len: usize) -> Result<(Tensor, Tensor)> {
     let x = tensor(
-        rng.uniform_vec(BATCH * seq_len * CHANNELS, -2.0, 2.0),
-        &[BATCH, seq_len, CHANNELS],
+        rng.uniform_vec(batch * seq_len * CHANNELS, -2.0, 2.0),
+        &[batch, seq_len, CHANNELS],
     )?;
     let weight = tensor(
         rng.uniform_vec(CHANNELS * KERNEL, -1.0, 1.0),
         &[CHANNELS, KERNEL],
     )?;
+    Ok((x, weight))
+}
+
+fn inputs(seed: u64, seq_len: usize, fresh: bool) -> Result<ConvInputs> {
+    let mut rng = Rng::new(seed);
+    let (x, weight) = random_x_and_weight(&mut rng, BATCH, seq_len)?;
     let state_values = if fresh {
         vec![0.0; BATCH * CHANNELS * KERNEL]
     } else {
@@ -257,15 +264,8 @@ fn in_pool_equals_split_on_gathered_rows() -> Result<()> {
             seed += 1;
             let what = format!("T={seq_len} x={x_dtype:?}");
             let mut rng = Rng::new(seed);
-            let x = tensor(
-                rng.uniform_vec(batch * seq_len * CHANNELS, -2.0, 2.0),
-                &[batch, seq_len, CHANNELS],
-            )?
-            .to_dtype(x_dtype)?;
-            let weight = tensor(
-                rng.uniform_vec(CHANNELS * KERNEL, -1.0, 1.0),
-                &[CHANNELS, KERNEL],
-            )?;
+            let (x, weight) = random_x_and_weight(&mut rng, batch, seq_len)?;
+            let x = x.to_dtype(x_dtype)?;
             // One row before and after the pool's view.
             let backing = tensor(
                 rng.uniform_vec((POOL_ROWS + 2) * CHANNELS * KERNEL, -2.0, 2.0),
@@ -316,14 +316,7 @@ fn pad_rows_start_from_zero_and_write_no_row() -> Result<()> {
     let widths = [2, 1];
     for seq_len in [1, 5] {
         let mut rng = Rng::new(100 + seq_len as u64);
-        let x = tensor(
-            rng.uniform_vec(batch * seq_len * CHANNELS, -2.0, 2.0),
-            &[batch, seq_len, CHANNELS],
-        )?;
-        let weight = tensor(
-            rng.uniform_vec(CHANNELS * KERNEL, -1.0, 1.0),
-            &[CHANNELS, KERNEL],
-        )?;
+        let (x, weight) = random_x_and_weight(&mut rng, batch, seq_len)?;
         let pool = tensor(
             rng.uniform_vec(POOL_ROWS * CHANNELS * KERNEL, -2.0, 2.0),
             &[POOL_ROWS, CHANNELS, KERNEL],
