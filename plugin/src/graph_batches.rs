@@ -38,11 +38,6 @@ impl GraphBatches {
         Some(GraphBatches { taken })
     }
 
-    /// Whether decode steps of `rows` sequences are captured at their own size.
-    pub fn contains(&self, rows: usize) -> bool {
-        self.taken.get(rows).copied().unwrap_or(false)
-    }
-
     /// The size a decode step of `rows` sequences replays at: the smallest
     /// size of at least `rows` (the step padded to it), `None` beyond the
     /// largest.
@@ -117,10 +112,6 @@ mod tests {
     fn standard_sizes_are_issue_13s_buckets_with_every_small_batch() {
         let sizes: Vec<usize> = GraphBatches::standard().sizes().collect();
         assert_eq!(sizes, [1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 128, 256]);
-        let standard = GraphBatches::standard();
-        assert!(!standard.contains(0));
-        assert!(!standard.contains(9));
-        assert!(!standard.contains(257));
     }
 
     #[test]
