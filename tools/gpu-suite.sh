@@ -25,8 +25,8 @@
 # between them, the sweep at concurrency 64),
 # scale-align-isq (that checkpoint quantized to each type of $SCALE_ISQ,
 # teacher-forced against the unquantized bf16 model over 3000 positions), isq (the ISQ and UQFF
-# serving tests on the GPU), scale-profile (perf's most sampled symbols of the
-# server while 64 streams decode on that checkpoint), scale-interference (16
+# serving tests on the GPU), scale-ttft (the time to first token of single
+# prompts of 4k to 128k tokens on that checkpoint), scale-interference (16
 # streams on that checkpoint while a
 # $SCALE_LONG_PROMPT-token prompt, default 32768, prefills), scale-soak (the
 # load tool's soak on that checkpoint: $SOAK_CLIENTS clients, default 256, for
@@ -244,31 +244,16 @@ with_scale_server() {
     return "$code"
 }
 
-# The scale-profile step: where the server's host time goes while 64 streams
-# decode on the 40-layer checkpoint (at most 64 sequences): perf samples the
-# server's threads with call graphs for 15 s during the load tool's
-# concurrency-64 cell (128-token prompts, 256 output tokens); the most
-# sampled symbols go to stdout (and $OUT/perf-40l.txt).
-profile_clients() {
-    local load code
-    timeout 300 python3 tools/load_test.py sweep --url "http://127.0.0.1:$SCALE_PORT" \
-        --concurrency 64 --prompt-tokens 128 --output-tokens 256 > /tmp/berrylm-profile-sweep.txt 2>&1 &
-    load=$!
-    sleep 20
-    perf record -F 999 -g -p "$server" -o /tmp/berrylm-perf.data -- sleep 15 > /dev/null 2>&1
-    code=$?
-    wait "$load" || code=1
-    tail -n 4 /tmp/berrylm-profile-sweep.txt
-    perf report -i /tmp/berrylm-perf.data --no-children --sort dso,symbol --stdio 2>/dev/null |
-        grep -E '^ +[0-9.]+%' | head -n 60 > /tmp/berrylm-perf.txt
-    cat /tmp/berrylm-perf.txt
-    [ -z "${OUT:-}" ] || cp /tmp/berrylm-perf.txt "$OUT/perf-40l.txt"
-    return "$code"
-}
-
-scale_profile() {
-    command -v perf > /dev/null || { echo "no perf on this machine" >&2; return 1; }
-    with_scale_server 64 profile_clients
+# The scale-ttft step: the time to first token of single prompts of
+# $SCALE_TTFT_PROMPTS tokens (default 4096,16384,32768,131072) on the 40-layer
+# checkpoint (paged attention, a 16 GiB KV pool), one request at a time: a
+# probe of each length first (it warms that length up), then 2 streamed
+# requests per length with 2 output tokens; each prompt is new to the prefix
+# cache. Compare with the bench's prefill of the same lengths in the same call.
+ttft_clients() {
+    timeout 400 python3 tools/load_test.py sweep --url "http://127.0.0.1:$SCALE_PORT" \
+        --concurrency 1 --prompt-tokens "${SCALE_TTFT_PROMPTS:-4096,16384,32768,131072}" \
+        --output-tokens 2 --requests-per-client 2 ${OUT:+--json "$OUT/ttft-40l.json"}
 }
 
 # The scale-interference step: 16 streams decode on the 40-layer checkpoint
@@ -379,7 +364,7 @@ step() {
     scale-serve) scale_serve ;;
     scale-isq) scale_isq ;;
     scale-interference) with_scale_server 64 interference_clients ;;
-    scale-profile) scale_profile ;;
+    scale-ttft) with_scale_server 1 ttft_clients ;;
     scale-soak) with_scale_server 256 soak_clients ;;
     model-errors) cc -O2 -shared -fPIC -o "$BIN/libcuda_fault_shim.so" tools/cuda_fault_shim.c -ldl &&
         BERRYLM_CUDA_FAULT_SHIM="$BIN/libcuda_fault_shim.so" \

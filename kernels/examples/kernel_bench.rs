@@ -20,7 +20,11 @@
 //! `MoeExpertsAlgorithm` that takes the call (`Streamed` up to 4096 rows),
 //! marking the one `moe_experts` picks, and reports ms, TFLOP/s of the
 //! expert GEMMs `2 * rows * 3 * H * I` and the GB/s of the chosen experts'
-//! weights read once (the decode floor).
+//! weights read once (the decode floor). `--quantized` times
+//! `quantized_matmul` at BerryLM-OS's decode projections (q4_K and q8_0
+//! weights, bf16 activations, 1 and 8 rows) and `moe_experts_quantized` at
+//! its experts (1 and 8 tokens), reporting µs and the GB/s of the weight
+//! bytes a call reads (each chosen expert once).
 //!
 //! Each figure is the mean over many back-to-back calls on candle's stream,
 //! timed with CUDA events around the loop (GPU time, outputs allocated per
@@ -30,11 +34,14 @@
 
 use std::time::Instant;
 
+use std::borrow::Cow;
+
 use berrylm_kernels::{
-    causal_attention, kda_recurrence_with, moe_experts_with, moe_route, KdaPrefillAlgorithm,
-    MoeExpertsAlgorithm,
+    causal_attention, kda_recurrence_with, moe_experts_quantized, moe_experts_with, moe_route,
+    quantized_matmul, KdaPrefillAlgorithm, MoeExpertsAlgorithm,
 };
 use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
+use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{DType, Device, Tensor};
 
 const HK: usize = 16;
@@ -128,6 +135,9 @@ fn main() -> candle_core::Result<()> {
     }
     if std::env::args().any(|a| a == "--moe") {
         return moe_table(&device);
+    }
+    if std::env::args().any(|a| a == "--quantized") {
+        return quantized_table(&device);
     }
     println!("kda_recurrence, Hk={HK} Hv={HV} dk={DK} dv={DV}, q/k/v bf16, g/beta/state f32");
     // Warm-up (clocks, allocator pools) before anything is timed.
@@ -314,6 +324,129 @@ fn moe_table(device: &Device) -> candle_core::Result<()> {
                 flops / gpu * 1e-12,
                 weight_bytes / gpu * 1e-9,
                 host * 1e3
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Weights of `dims` in GGUF blocks of `format` on `device`: random bytes
+/// (the timing does not depend on the values) with every block's f16
+/// scales (q8_0's d; q4_K's d and dmin) set to 0.001, so that the values are
+/// finite.
+fn random_blocks(device: &Device, format: GgmlDType, dims: &[usize]) -> candle_core::Result<QTensor> {
+    const SCALE_F16_LE: [u8; 2] = [0x19, 0x14];
+    let blocks = dims.iter().product::<usize>() / format.block_size();
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut bytes: Vec<u8> = (0..blocks * format.type_size())
+        .map(|_| {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (state >> 56) as u8
+        })
+        .collect();
+    let scales = if format == GgmlDType::Q4K { 2 } else { 1 };
+    for block in bytes.chunks_exact_mut(format.type_size()) {
+        for scale in 0..scales {
+            block[2 * scale..2 * scale + 2].copy_from_slice(&SCALE_F16_LE);
+        }
+    }
+    // Borrowed: candle 0.10.2's `from_data` reads an owned buffer after
+    // dropping it.
+    let storage = QStorage::from_data(Cow::Borrowed(&bytes), device, format)?;
+    QTensor::new(storage, dims)
+}
+
+fn block_bytes(format: GgmlDType, weights: usize) -> f64 {
+    (weights / format.block_size() * format.type_size()) as f64
+}
+
+struct QuantizedInputs<'a> {
+    x: Tensor,
+    weight: &'a QTensor,
+}
+
+struct QuantizedMoeInputs<'a> {
+    /// `[x, weights, ids]`.
+    tokens: [Tensor; 3],
+    gate_up: &'a QTensor,
+    down: &'a QTensor,
+}
+
+/// `--quantized`: the decode projections of BerryLM-OS with quantized
+/// weights, then its routed experts.
+fn quantized_table(device: &Device) -> candle_core::Result<()> {
+    // (projection, out, in): the KDA layer's quantized q|k|v|z, the attention
+    // layer's q (with its output gate)|k|v, the shared expert's gate|up and
+    // down, the KDA out_proj and attention o_proj, the LM head.
+    let projections = [
+        ("KDA q|k|v|z", 12_288usize, 2048usize),
+        ("attention q|gate|k|v", 9216, 2048),
+        ("shared expert gate|up", 1024, 2048),
+        ("out_proj / o_proj", 2048, 4096),
+        ("shared expert down", 2048, 512),
+        ("LM head", 180_224, 2048),
+    ];
+    println!("quantized_matmul, x bf16, weights in GGUF blocks");
+    println!("| format | projection | out x in | rows of x | GPU us/call | weight GB/s (GPU) | host us/call |");
+    println!("|---|---|---|---:|---:|---:|---:|");
+    for format in [GgmlDType::Q4K, GgmlDType::Q8_0] {
+        for (name, out, width) in projections {
+            let weight = random_blocks(device, format, &[out, width])?;
+            for rows in [1usize, 8] {
+                let x = QuantizedInputs {
+                    x: Tensor::rand(-2f32, 2.0, (rows, width), device)?.to_dtype(DType::BF16)?,
+                    weight: &weight,
+                };
+                let iters = if out > 100_000 { 200 } else { 2000 };
+                let (gpu, host) = time_calls(device, &x, iters, |inputs| {
+                    drop(quantized_matmul(&inputs.x, inputs.weight)?);
+                    Ok(())
+                })?;
+                println!(
+                    "| {format:?} | {name} | {out} x {width} | {rows} | {:.1} | {:.0} | {:.1} |",
+                    gpu * 1e6,
+                    block_bytes(format, out * width) / gpu * 1e-9,
+                    host * 1e6
+                );
+            }
+        }
+    }
+    let [experts, top_k, hidden, inter] = [128usize, 8, 2048, 512];
+    println!();
+    println!("moe_experts_quantized, E={experts} k={top_k} H={hidden} I={inter}, x bf16");
+    println!("| format | tokens | experts chosen | GPU us/call | weight GB/s (GPU) | host us/call |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    for format in [GgmlDType::Q4K, GgmlDType::Q8_0] {
+        let gate_up = random_blocks(device, format, &[experts, 2 * inter, hidden])?;
+        let down = random_blocks(device, format, &[experts, hidden, inter])?;
+        for tokens in [1usize, 8] {
+            let logits = Tensor::rand(-3f32, 3.0, (tokens, experts), device)?;
+            let (weights, ids) = moe_route(&logits, top_k, true, DType::F32)?;
+            let mut chosen: Vec<u32> = ids.flatten_all()?.to_vec1()?;
+            chosen.sort_unstable();
+            chosen.dedup();
+            let x = QuantizedMoeInputs {
+                tokens: [
+                    Tensor::rand(-2f32, 2.0, (tokens, hidden), device)?.to_dtype(DType::BF16)?,
+                    weights,
+                    ids,
+                ],
+                gate_up: &gate_up,
+                down: &down,
+            };
+            let (gpu, host) = time_calls(device, &x, 2000, |inputs| {
+                let [x, weights, ids] = &inputs.tokens;
+                drop(moe_experts_quantized(x, weights, ids, inputs.gate_up, inputs.down)?);
+                Ok(())
+            })?;
+            println!(
+                "| {format:?} | {tokens} | {} | {:.1} | {:.0} | {:.1} |",
+                chosen.len(),
+                gpu * 1e6,
+                block_bytes(format, chosen.len() * 3 * hidden * inter) / gpu * 1e-9,
+                host * 1e6
             );
         }
     }
