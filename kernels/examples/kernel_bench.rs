@@ -334,7 +334,11 @@ fn moe_table(device: &Device) -> candle_core::Result<()> {
 /// (the timing does not depend on the values) with every block's f16
 /// scales (q8_0's d; q4_K's d and dmin) set to 0.001, so that the values are
 /// finite.
-fn random_blocks(device: &Device, format: GgmlDType, dims: &[usize]) -> candle_core::Result<QTensor> {
+fn random_blocks(
+    device: &Device,
+    format: GgmlDType,
+    dims: &[usize],
+) -> candle_core::Result<QTensor> {
     const SCALE_F16_LE: [u8; 2] = [0x19, 0x14];
     let blocks = dims.iter().product::<usize>() / format.block_size();
     let mut state = 0x9E37_79B9_7F4A_7C15u64;
@@ -416,7 +420,9 @@ fn quantized_table(device: &Device) -> candle_core::Result<()> {
     let [experts, top_k, hidden, inter] = [128usize, 8, 2048, 512];
     println!();
     println!("moe_experts_quantized, E={experts} k={top_k} H={hidden} I={inter}, x bf16");
-    println!("| format | tokens | experts chosen | GPU us/call | weight GB/s (GPU) | host us/call |");
+    println!(
+        "| format | tokens | experts chosen | GPU us/call | weight GB/s (GPU) | host us/call |"
+    );
     println!("|---|---:|---:|---:|---:|---:|");
     for format in [GgmlDType::Q4K, GgmlDType::Q8_0] {
         let gate_up = random_blocks(device, format, &[experts, 2 * inter, hidden])?;
@@ -438,7 +444,13 @@ fn quantized_table(device: &Device) -> candle_core::Result<()> {
             };
             let (gpu, host) = time_calls(device, &x, 2000, |inputs| {
                 let [x, weights, ids] = &inputs.tokens;
-                drop(moe_experts_quantized(x, weights, ids, inputs.gate_up, inputs.down)?);
+                drop(moe_experts_quantized(
+                    x,
+                    weights,
+                    ids,
+                    inputs.gate_up,
+                    inputs.down,
+                )?);
                 Ok(())
             })?;
             println!(
