@@ -278,6 +278,22 @@ struct MoeInputs {
 
 /// `moe_experts_with` at BerryLM-OS shapes, routed by `moe_route` on random
 /// logits, with each algorithm that takes the call.
+/// `moe_route` of random logits for `tokens` tokens: (weights, ids, the
+/// number of distinct experts chosen).
+fn random_routing(
+    device: &Device,
+    tokens: usize,
+    experts: usize,
+    top_k: usize,
+) -> candle_core::Result<(Tensor, Tensor, usize)> {
+    let logits = Tensor::rand(-3f32, 3.0, (tokens, experts), device)?;
+    let (weights, ids) = moe_route(&logits, top_k, true, DType::F32)?;
+    let mut chosen: Vec<u32> = ids.flatten_all()?.to_vec1()?;
+    chosen.sort_unstable();
+    chosen.dedup();
+    Ok((weights, ids, chosen.len()))
+}
+
 fn moe_table(device: &Device) -> candle_core::Result<()> {
     // BerryLM-OS: experts, top-k, hidden size, expert width.
     let [experts, top_k, hidden, inter] = [128usize, 8, 2048, 512];
@@ -292,11 +308,7 @@ fn moe_table(device: &Device) -> candle_core::Result<()> {
         uniform(&[experts, hidden, inter], 0.05)?,
     ];
     for tokens in [16usize, 32, 64, 128, 256, 4096, 32768] {
-        let logits = Tensor::rand(-3f32, 3.0, (tokens, experts), device)?;
-        let (weights, ids) = moe_route(&logits, top_k, true, DType::F32)?;
-        let mut chosen: Vec<u32> = ids.flatten_all()?.to_vec1()?;
-        chosen.sort_unstable();
-        chosen.dedup();
+        let (weights, ids, chosen) = random_routing(device, tokens, experts, top_k)?;
         let x = MoeInputs {
             tokens: [uniform(&[tokens, hidden], 2.0)?, weights, ids],
             experts: expert_weights.clone(),
@@ -315,11 +327,11 @@ fn moe_table(device: &Device) -> candle_core::Result<()> {
                 Ok(())
             })?;
             let flops = 2.0 * (routed * 3 * hidden * inter) as f64;
-            let weight_bytes = (chosen.len() * 3 * hidden * inter * 2) as f64;
+            let weight_bytes = (chosen * 3 * hidden * inter * 2) as f64;
             let mark = if algorithm == picked { " (picked)" } else { "" };
             println!(
                 "| {tokens} | {routed} | {} | {algorithm:?}{mark} | {:.3} | {:.1} | {:.0} | {:.3} |",
-                chosen.len(),
+                chosen,
                 gpu * 1e3,
                 flops / gpu * 1e-12,
                 weight_bytes / gpu * 1e-9,
@@ -428,11 +440,7 @@ fn quantized_table(device: &Device) -> candle_core::Result<()> {
         let gate_up = random_blocks(device, format, &[experts, 2 * inter, hidden])?;
         let down = random_blocks(device, format, &[experts, hidden, inter])?;
         for tokens in [1usize, 8] {
-            let logits = Tensor::rand(-3f32, 3.0, (tokens, experts), device)?;
-            let (weights, ids) = moe_route(&logits, top_k, true, DType::F32)?;
-            let mut chosen: Vec<u32> = ids.flatten_all()?.to_vec1()?;
-            chosen.sort_unstable();
-            chosen.dedup();
+            let (weights, ids, chosen) = random_routing(device, tokens, experts, top_k)?;
             let x = QuantizedMoeInputs {
                 tokens: [
                     Tensor::rand(-2f32, 2.0, (tokens, hidden), device)?.to_dtype(DType::BF16)?,
@@ -455,9 +463,9 @@ fn quantized_table(device: &Device) -> candle_core::Result<()> {
             })?;
             println!(
                 "| {format:?} | {tokens} | {} | {:.1} | {:.0} | {:.1} |",
-                chosen.len(),
+                chosen,
                 gpu * 1e6,
-                block_bytes(format, chosen.len() * 3 * hidden * inter) / gpu * 1e-9,
+                block_bytes(format, chosen * 3 * hidden * inter) / gpu * 1e-9,
                 host * 1e6
             );
         }
