@@ -32,9 +32,8 @@
 //!
 //! `cargo run --release --features cuda --example kernel_bench [-- --quick]`
 
-use std::time::Instant;
-
 use std::borrow::Cow;
+use std::time::Instant;
 
 use berrylm_kernels::{
     causal_attention, kda_recurrence_with, moe_experts_quantized, moe_experts_with, moe_route,
@@ -276,8 +275,6 @@ struct MoeInputs {
     experts: [Tensor; 2],
 }
 
-/// `moe_experts_with` at BerryLM-OS shapes, routed by `moe_route` on random
-/// logits, with each algorithm that takes the call.
 /// `moe_route` of random logits for `tokens` tokens: (weights, ids, the
 /// number of distinct experts chosen).
 fn random_routing(
@@ -294,6 +291,8 @@ fn random_routing(
     Ok((weights, ids, chosen.len()))
 }
 
+/// `moe_experts_with` at BerryLM-OS shapes, routed by `moe_route` on random
+/// logits, with each algorithm that takes the call.
 fn moe_table(device: &Device) -> candle_core::Result<()> {
     // BerryLM-OS: experts, top-k, hidden size, expert width.
     let [experts, top_k, hidden, inter] = [128usize, 8, 2048, 512];
