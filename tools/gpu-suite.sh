@@ -210,15 +210,19 @@ scale_isq() {
 # with it.
 scale_align_isq() {
     local tokens=/tmp/berrylm-os-40l-tokens.safetensors
-    local golden=/tmp/berrylm-os-40l-bf16-golden.safetensors isq code=0 vocab
+    local sequences="${SCALE_ALIGN_SEQUENCES:-3}" tokens_per_sequence="${SCALE_ALIGN_TOKENS:-1000}"
+    local golden isq code=0 vocab
+    golden="/tmp/berrylm-os-40l-bf16-golden-${sequences}x${tokens_per_sequence}.safetensors"
     scale_checkpoint || return 1
     vocab="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["vocab_size"])' \
         "$SCALE_CHECKPOINT/config.json")" || return 1
     python3 tools/token_golden.py --out "$tokens" --vocab "$vocab" \
-        --sequences "${SCALE_ALIGN_SEQUENCES:-3}" --tokens "${SCALE_ALIGN_TOKENS:-1000}" || return 1
-    "$BIN/berrylm-align" --model "$SCALE_CHECKPOINT" --golden "$tokens" --dtype bf16 \
-        --device cuda --teacher-forced-only --write-golden "$golden" > /dev/null
-    [ -f "$golden" ] || return 1
+        --sequences "$sequences" --tokens "$tokens_per_sequence" || return 1
+    if [ ! -f "$golden" ]; then
+        "$BIN/berrylm-align" --model "$SCALE_CHECKPOINT" --golden "$tokens" --dtype bf16 \
+            --device cuda --teacher-forced-only --write-golden "$golden.partial" > /dev/null
+        mv "$golden.partial" "$golden" || return 1
+    fi
     for isq in ${SCALE_ISQ:-q4k q8_0}; do
         "$BIN/berrylm-align" --model "$SCALE_CHECKPOINT" --golden "$golden" --dtype bf16 \
             --device cuda --isq "$isq" --teacher-forced-only \

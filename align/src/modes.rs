@@ -130,8 +130,11 @@ pub fn prompt_len(len: usize) -> usize {
     (len / 2).max(1)
 }
 
-/// Runs every sequence through `forward`, each on a fresh cache.
+/// Runs every sequence through `forward`, each on a fresh cache, and says on
+/// standard error how long the mode `name` took (a long run shows its
+/// progress).
 fn run_mode(
+    name: &str,
     model: &Result<BerryLm>,
     golden: &Golden,
     forward: impl Fn(&BerryLm, &[u32]) -> Result<Tensor>,
@@ -139,27 +142,35 @@ fn run_mode(
     let model = model
         .as_ref()
         .map_err(|error| anyhow::anyhow!("{}", error_line(error)))?;
-    golden
+    let start = std::time::Instant::now();
+    let logits = golden
         .sequences
         .iter()
         .map(|sequence| {
             let logits = forward(model, &sequence.ids).with_context(|| sequence.name.clone())?;
             Ok(logits.to_device(&Device::Cpu)?.to_dtype(DType::F32)?)
         })
-        .collect()
+        .collect::<Result<Vec<_>>>()?;
+    let positions: usize = golden.sequences.iter().map(|s| s.ids.len()).sum();
+    eprintln!(
+        "berrylm-align: {name} mode: {} sequences, {positions} positions in {:.1} s",
+        golden.sequences.len(),
+        start.elapsed().as_secs_f64()
+    );
+    Ok(logits)
 }
 
 /// Runs the teacher-forced modes (`model` is the loaded checkpoint, or why it did not load).
 pub fn teacher_forced(model: &Result<BerryLm>, golden: &Golden) -> TeacherForced {
     TeacherForced {
-        prefill: run_mode(model, golden, |model, ids| {
+        prefill: run_mode("prefill", model, golden, |model, ids| {
             Ok(Driver::new(model, 1)?.step(&[ids], None)?.squeeze(0)?)
         }),
-        incremental: run_mode(model, golden, |model, ids| {
+        incremental: run_mode("incremental", model, golden, |model, ids| {
             let sizes = std::iter::once(prompt_len(ids.len())).chain(std::iter::repeat(1));
             Driver::new(model, 1)?.run_chunked(ids, sizes)
         }),
-        chunked: run_mode(model, golden, |model, ids| {
+        chunked: run_mode("chunked", model, golden, |model, ids| {
             Driver::new(model, 1)?.run_chunked(ids, std::iter::repeat(CHUNK))
         }),
         prompt_lens: golden
