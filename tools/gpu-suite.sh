@@ -22,7 +22,7 @@
 # $SCALE_CONCURRENCY, default 1,64,256, then batch-1 decode end to end),
 # scale-isq (that checkpoint served unquantized and with each ISQ type of
 # $SCALE_ISQ at once: load time, memory, batch-1 decode end to end alternated
-# between them, the sweep at concurrency 64),
+# between them, the sweep at concurrency 64 unless $SCALE_ISQ_SWEEP is 0),
 # scale-align-isq (that checkpoint quantized to each type of $SCALE_ISQ,
 # teacher-forced against the unquantized bf16 model over 3000 positions), isq (the ISQ and UQFF
 # serving tests on the GPU), scale-ttft (the time to first token of single
@@ -190,6 +190,7 @@ scale_isq() {
         done
     done
     for i in "${!names[@]}"; do
+        [ "${SCALE_ISQ_SWEEP:-1}" = 1 ] || break
         port=$((SCALE_PORT + i))
         timeout 240 python3 tools/load_test.py sweep --url "http://127.0.0.1:$port" \
             --concurrency 64 --prompt-tokens 128 --output-tokens 128 --requests-per-client 2 \

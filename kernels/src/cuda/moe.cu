@@ -28,6 +28,13 @@ constexpr int kWarps = kThreads / 32;
 // One weight row per warp: at batch 1 the step reads 8 experts' rows, and
 // many small blocks keep more of those reads in flight than fewer big ones.
 constexpr int kRowsPerBlock = kWarps;
+// Blocks an SM must hold at once, by the rows per group: a single token's
+// step has one block per chosen expert and tile (8 experts x 64 tiles of
+// gate | up at BerryLM-OS's size), three an SM (at most 85 registers a
+// thread; q4_K's single-row format takes 79 without spilling, and spills
+// at four).
+template <int TOKENS>
+constexpr int kMinBlocksPerSm = TOKENS == 1 ? 3 : 1;
 // Must match MAX_TOP_K in src/cuda/moe.rs.
 constexpr int kMaxCombineTopK = 32;
 // 64 threads a block: at batch 1 the combine of a 2048-wide row is 256
@@ -77,11 +84,66 @@ __device__ int collect_rows(const uint32_t* __restrict__ ids, int routed, int ex
     return found;
 }
 
+// The pieces of the gate and up rows a lane has in flight: two, except in
+// q4_K's single-row format, whose pieces of 32 weights (and their 32
+// activations) two at a time spill at three blocks an SM.
+template <typename Rows>
+constexpr int kGateUpPiecesInFlight =
+    std::is_same_v<Rows, berrylm::rows::Q4KSingleRowRows> ? 1 : 2;
+
+// This lane's shares of the dot products of a gate row and an up row (in
+// the row format `Rows`, `hidden` weights each) with the activation rows
+// x_row(t), t < count (at most TOKENS): each weight row read once for all.
+template <typename Rows, int TOKENS, typename Activations>
+__device__ __forceinline__ void gate_up_pieces(const typename Rows::Weight* gate_row,
+                                               const typename Rows::Weight* up_row, int hidden,
+                                               int count, float (&gate)[TOKENS],
+                                               float (&up)[TOKENS], Activations x_row) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int t = 0; t < TOKENS; ++t) {
+        gate[t] = 0.0f;
+        up[t] = 0.0f;
+    }
+#pragma unroll(kGateUpPiecesInFlight<Rows>)
+    for (int p = lane; p < Rows::pieces(hidden); p += 32) {
+        const typename Rows::Piece wg = Rows::load(gate_row, p);
+        const typename Rows::Piece wu = Rows::load(up_row, p);
+#pragma unroll
+        for (int t = 0; t < TOKENS; ++t) {
+            if (t < count) {
+                float xv[Rows::kRuns][Rows::kRunLen];
+                berrylm::rows::load_activations<Rows>(x_row(t), p, xv);
+                gate[t] = Rows::accumulate(wg, xv, gate[t]);
+                up[t] = Rows::accumulate(wu, xv, up[t]);
+            }
+        }
+    }
+}
+
+// gate_up_pieces in the single-row format where it fits (TOKENS == 1), as
+// berrylm::rows::stream_row.
+template <typename Rows, int TOKENS, typename Activations>
+__device__ __forceinline__ void gate_up_sums(const typename Rows::Weight* gate_row,
+                                             const typename Rows::Weight* up_row, int hidden,
+                                             int count, float (&gate)[TOKENS],
+                                             float (&up)[TOKENS], Activations x_row) {
+    if constexpr (TOKENS == 1) {
+        if (berrylm::rows::single_row_format_fits<Rows>(hidden)) {
+            gate_up_pieces<typename berrylm::rows::SingleRow<Rows>::Format, TOKENS>(
+                gate_row, up_row, hidden, count, gate, up, x_row);
+            return;
+        }
+    }
+    gate_up_pieces<Rows, TOKENS>(gate_row, up_row, hidden, count, gate, up, x_row);
+}
+
 // h[r, j] for the j of this block's tile: gate row j and up row I + j of the
-// expert's [2I, H] weights (in the row format `Rows`) against x of the row's
-// token, in groups of up to TOKENS rows.
+// expert's [2I, H] weights (in the row format `Rows`, or its single-row
+// format where that fits) against x of the row's token, in groups of up to
+// TOKENS rows.
 template <typename T, typename Rows, int TOKENS>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<TOKENS>)
     gate_up_kernel(const T* __restrict__ x, const uint32_t* __restrict__ ids,
                    const typename Rows::Weight* __restrict__ gate_up, T* __restrict__ h,
                    int routed, int top_k, int experts, int hidden, int inter, int by_row) {
@@ -96,26 +158,14 @@ __global__ void __launch_bounds__(kThreads)
     const long long first_row = static_cast<long long>(expert) * 2 * inter;
     const auto* gate_row = Rows::row(gate_up, first_row + j, hidden);
     const auto* up_row = Rows::row(gate_up, first_row + inter + j, hidden);
-    const int pieces = Rows::pieces(hidden);
     for (int t0 = 0; t0 < count; t0 += TOKENS) {
         const int tokens = min(TOKENS, count - t0);
-        float gate[TOKENS] = {};
-        float up[TOKENS] = {};
-#pragma unroll 2
-        for (int p = lane; p < pieces; p += 32) {
-            const typename Rows::Piece wg = Rows::load(gate_row, p);
-            const typename Rows::Piece wu = Rows::load(up_row, p);
-#pragma unroll
-            for (int t = 0; t < TOKENS; ++t) {
-                if (t < tokens) {
-                    float xv[Rows::kRuns][Rows::kRunLen];
-                    berrylm::rows::load_activations<Rows>(
-                        x + static_cast<long long>(rows[t0 + t] / top_k) * hidden, p, xv);
-                    gate[t] = Rows::accumulate(wg, xv, gate[t]);
-                    up[t] = Rows::accumulate(wu, xv, up[t]);
-                }
-            }
-        }
+        float gate[TOKENS];
+        float up[TOKENS];
+        const auto x_row = [&](int t) {
+            return x + static_cast<long long>(rows[t0 + t] / top_k) * hidden;
+        };
+        gate_up_sums<Rows, TOKENS>(gate_row, up_row, hidden, tokens, gate, up, x_row);
 #pragma unroll
         for (int t = 0; t < TOKENS; ++t) {
             if (t < tokens) {

@@ -228,6 +228,78 @@ struct Q4KRows : GgufBlocks<256, 144> {
     }
 };
 
+// q4_K for single-row calls: a piece is 16 bytes of one chunk, runs of 16
+// weights in its two sub-blocks (32 weights, one 16-byte load of codes), and
+// each run's scale and min are factored out of its sums:
+// (d sc) sum(q x) - (dmin m) sum(x). About 5 instructions a weight instead of
+// Q4KRows' 8 (no per-weight scale and min, half the header decoding a
+// weight), which pays for one activation row only: the piece is kept as it
+// lies in memory and decoded in `accumulate`, once per activation row, and
+// sum(x) is one more sum per row. The sums round differently from candle's
+// dequantized weights (within f32 rounding of the two terms).
+struct Q4KSingleRowRows : GgufBlocks<256, 144> {
+    static constexpr int kRuns = 2;
+    static constexpr int kRunLen = 16;
+    struct Piece {
+        uint4 header;
+        uint4 codes;
+        int chunk;
+    };
+    __device__ static int pieces(int width) { return width / 32; }
+    __device__ static int column(int piece, int run) {
+        const int in_block = piece & 7;
+        return (piece >> 3) * kBlockWeights + (in_block >> 1) * 64 + run * 32 + (in_block & 1) * 16;
+    }
+    __device__ static Piece load(const uint8_t* row, int piece) {
+        const uint8_t* block = row + (piece >> 3) * kBlockBytes;
+        const int in_block = piece & 7;
+        Piece p;
+        p.chunk = in_block >> 1;
+        p.header = __ldg(reinterpret_cast<const uint4*>(block));
+        p.codes = __ldg(reinterpret_cast<const uint4*>(block + 16 + p.chunk * 32 + (in_block & 1) * 16));
+        return p;
+    }
+    __device__ static float accumulate(const Piece& p, const float (&x)[kRuns][kRunLen],
+                                       float acc) {
+        const float d = half_value<0>(p.header.x);
+        const float dmin = half_value<1>(p.header.x);
+        const uint32_t words[4] = {p.codes.x, p.codes.y, p.codes.z, p.codes.w};
+#pragma unroll
+        for (int run = 0; run < kRuns; ++run) {
+            int scale;
+            int min;
+            Q4KRows::scale_min(p.header.y, p.header.z, p.header.w, 2 * p.chunk + run, scale, min);
+            // Run 0: the low nibbles (sub-block 2 chunk), run 1: the high ones.
+            float codes[kRunLen];
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                byte_values((words[w] >> (4 * run)) & 0x0F0F0F0Fu, 0.0f, codes + 4 * w);
+            }
+            float qx = 0.0f;
+            float xs = 0.0f;
+#pragma unroll
+            for (int v = 0; v < kRunLen; ++v) {
+                qx = fmaf(codes[v], x[run][v], qx);
+                xs += x[run][v];
+            }
+            acc = fmaf(d * static_cast<float>(scale), qx, acc);
+            acc = fmaf(-(dmin * static_cast<float>(min)), xs, acc);
+        }
+        return acc;
+    }
+};
+
+// The format a single-row call reads `Rows` in: Q4KSingleRowRows for q4_K,
+// `Rows` itself otherwise.
+template <typename Rows>
+struct SingleRow {
+    using Format = Rows;
+};
+template <>
+struct SingleRow<Q4KRows> {
+    using Format = Q4KSingleRowRows;
+};
+
 // Must match `GGUF_*` in src/cuda/quantized.rs.
 enum GgufCode : int { kQ8_0 = 0, kQ4K = 1 };
 
@@ -263,8 +335,9 @@ __host__ __forceinline__ void with_group_size(int tokens, F launch) {
 // (at most TOKENS): the weight row is read once for all of them; the
 // caller adds the lanes' shares (warp_sum).
 template <typename Rows, int TOKENS, typename Activations>
-__device__ __forceinline__ void stream_row(const typename Rows::Weight* row, int width, int count,
-                                           float (&sum)[TOKENS], Activations activations) {
+__device__ __forceinline__ void stream_pieces(const typename Rows::Weight* row, int width,
+                                              int count, float (&sum)[TOKENS],
+                                              Activations activations) {
 #pragma unroll
     for (int t = 0; t < TOKENS; ++t) sum[t] = 0.0f;
     const int lane = threadIdx.x & 31;
@@ -280,6 +353,30 @@ __device__ __forceinline__ void stream_row(const typename Rows::Weight* row, int
             }
         }
     }
+}
+
+// Whether a single-row call reads a row of `width` weights in the format
+// SingleRow<Rows>::Format: where it differs from `Rows` and every lane gets
+// a piece of the row (a 512-wide q4_K row has 16 pieces of 32 weights: half
+// the warp would wait on the other half's decoding).
+template <typename Rows>
+__device__ __forceinline__ bool single_row_format_fits(int width) {
+    using Single = typename SingleRow<Rows>::Format;
+    return !std::is_same_v<Single, Rows> && Single::pieces(width) >= 32;
+}
+
+// stream_pieces in the single-row format where it fits (TOKENS == 1).
+template <typename Rows, int TOKENS, typename Activations>
+__device__ __forceinline__ void stream_row(const typename Rows::Weight* row, int width, int count,
+                                           float (&sum)[TOKENS], Activations activations) {
+    if constexpr (TOKENS == 1) {
+        if (single_row_format_fits<Rows>(width)) {
+            stream_pieces<typename SingleRow<Rows>::Format, TOKENS>(row, width, count, sum,
+                                                                   activations);
+            return;
+        }
+    }
+    stream_pieces<Rows, TOKENS>(row, width, count, sum, activations);
 }
 
 }  // namespace berrylm::rows
