@@ -35,9 +35,9 @@ fn quantized_to_gpu(weights: &QTensor) -> Result<QTensor> {
     Ok(QTensor::new(storage, weights.shape().clone())?)
 }
 
-/// f32 results agree up to the order of the f32 sums (and q8_0's kernels
-/// factor a block's scale out of its sum); half precision within a rounding
-/// step.
+/// f32 results agree up to the order of the f32 sums (q8_0's kernels factor
+/// a block's scale out of its sum, q4_K's single-row calls a run's scale and
+/// min out of its sums); half precision within a rounding step.
 fn tolerance(dtype: DType) -> super::Tol {
     match dtype {
         DType::F32 => TIGHT,
