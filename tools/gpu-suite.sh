@@ -206,9 +206,9 @@ scale_isq() {
 # $SCALE_ISQ against the unquantized bf16 model, teacher-forced on
 # $SCALE_ALIGN_SEQUENCES (default 3) sequences of $SCALE_ALIGN_TOKENS
 # (default 1000) seeded random ids (tools/token_golden.py): the bf16 run
-# writes its own golden file first (its comparison with the token file's
-# placeholder logits is not read), then each quantized run is compared
-# with it.
+# writes its own golden file first, once per machine and token count (its
+# comparison with the token file's placeholder logits is not read), then
+# each quantized run is compared with it.
 scale_align_isq() {
     local tokens=/tmp/berrylm-os-40l-tokens.safetensors
     local sequences="${SCALE_ALIGN_SEQUENCES:-3}" tokens_per_sequence="${SCALE_ALIGN_TOKENS:-1000}"
