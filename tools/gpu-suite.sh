@@ -189,14 +189,15 @@ scale_isq() {
                 grep "decode:" | sed "s/^/round $round ${names[$i]}/" || code=1
         done
     done
-    for i in "${!names[@]}"; do
-        [ "${SCALE_ISQ_SWEEP:-1}" = 1 ] || break
-        port=$((SCALE_PORT + i))
-        timeout 240 python3 tools/load_test.py sweep --url "http://127.0.0.1:$port" \
-            --concurrency 64 --prompt-tokens 128 --output-tokens 128 --requests-per-client 2 \
-            ${OUT:+--json "$OUT/sweep-40l-${names[$i]}.json"} 2>&1 |
-            grep -E "^\| 64" | sed "s/^/${names[$i]} /" || code=1
-    done
+    if [ "${SCALE_ISQ_SWEEP:-1}" = 1 ]; then
+        for i in "${!names[@]}"; do
+            port=$((SCALE_PORT + i))
+            timeout 240 python3 tools/load_test.py sweep --url "http://127.0.0.1:$port" \
+                --concurrency 64 --prompt-tokens 128 --output-tokens 128 --requests-per-client 2 \
+                ${OUT:+--json "$OUT/sweep-40l-${names[$i]}.json"} 2>&1 |
+                grep -E "^\| 64" | sed "s/^/${names[$i]} /" || code=1
+        done
+    fi
     kill "${pids[@]}"
     wait
     return "$code"

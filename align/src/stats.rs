@@ -38,11 +38,11 @@ pub fn argmax(row: &[f32]) -> usize {
 /// over 3 modes x 3000 positions.
 pub fn top_k(row: &[f32], k: usize) -> Vec<usize> {
     let k = k.min(row.len());
-    let order = |a: &usize, b: &usize| row[*b].total_cmp(&row[*a]).then(a.cmp(b));
-    let mut indices: Vec<usize> = (0..row.len()).collect();
     if k == 0 {
         return Vec::new();
     }
+    let order = |a: &usize, b: &usize| row[*b].total_cmp(&row[*a]).then(a.cmp(b));
+    let mut indices: Vec<usize> = (0..row.len()).collect();
     if k < indices.len() {
         indices.select_nth_unstable_by(k - 1, order);
         indices.truncate(k);
@@ -58,11 +58,6 @@ fn overlap(wanted: &[usize], ours: &[usize]) -> f64 {
     }
     let ours: HashSet<usize> = ours.iter().copied().collect();
     wanted.iter().filter(|id| ours.contains(id)).count() as f64 / wanted.len() as f64
-}
-
-/// Fraction of the reference's top-`k` ids that are among ours.
-pub fn top_k_overlap(reference: &[f32], ours: &[f32], k: usize) -> f64 {
-    overlap(&top_k(reference, k), &top_k(ours, k))
 }
 
 /// KL(reference || ours) from two rows of log-probabilities. Mathematically
@@ -117,12 +112,12 @@ pub fn compare_position(reference: &[f32], ours: &[f32]) -> PositionStats {
     // The top 5 are the first 5 of the top 20 (one order, ties included).
     let reference_top20 = top_k(reference, 20);
     let our_top20 = top_k(ours, 20);
-    let top5 = |ids: &[usize]| ids[..ids.len().min(5)].to_vec();
+    let five = reference_top20.len().min(5);
     PositionStats {
         top1_match: argmax(ours) == reference_top,
         abs_logprob_diff: (our_logprobs[reference_top] - reference_logprobs[reference_top]).abs(),
         kl: kl_divergence(&reference_logprobs, &our_logprobs),
-        top5_overlap: overlap(&top5(&reference_top20), &top5(&our_top20)),
+        top5_overlap: overlap(&reference_top20[..five], &our_top20[..five]),
         top20_overlap: overlap(&reference_top20, &our_top20),
     }
 }
@@ -216,6 +211,11 @@ mod tests {
     use super::*;
 
     const ROW: [f32; 8] = [0.5, -1.25, 2.0, 0.0, 3.75, -4.5, 1.0, 0.25];
+
+    /// Fraction of the reference's top-`k` ids that are among ours.
+    fn top_k_overlap(reference: &[f32], ours: &[f32], k: usize) -> f64 {
+        overlap(&top_k(reference, k), &top_k(ours, k))
+    }
 
     #[test]
     fn kl_of_identical_distributions_is_zero() {
