@@ -1676,6 +1676,72 @@ fn add_moe_output_matches_cpu_at_model_shapes() -> Result<()> {
     })
 }
 
+/// The kernels that read columns of a stacked projection's output in place
+/// (rows at a stride, at more than one token): the shared expert's gate | up
+/// (`swiglu`), the router's logits (`moe_route`), the shared expert gate's
+/// logit (`add_moe_output`) and a KDA layer's b (`kda_beta`), each on views
+/// of one wide `[64, columns]` output, against the CPU reference on the same
+/// views; the router also against its own run on a contiguous copy.
+#[test]
+fn stacked_projection_views_match_cpu() -> Result<()> {
+    const ROWS: usize = 64;
+    let gate_up_width = 2 * MOE_INTERMEDIATE;
+    // shared gate | up, router, shared expert gate, and 3 columns of another part
+    let columns = gate_up_width + EXPERTS + 1 + 3;
+    sweep(2350, [ROWS], &F32_BF16, |rng, rows, dtype| {
+        let wide = random(rng, &[rows, columns], -4.0, 4.0, dtype)?;
+        let view_of =
+            |start: usize, width: usize| view_on_both(&wide, move |t| t.narrow(1, start, width));
+        let (gate_up, gate_up_gpu) = view_of(0, gate_up_width)?;
+        let (router, router_gpu) = view_of(gate_up_width, EXPERTS)?;
+        let (logit, logit_gpu) = view_of(gate_up_width + EXPERTS, 1)?;
+        for (name, view) in [
+            ("gate_up", &gate_up_gpu),
+            ("router", &router_gpu),
+            ("logit", &logit_gpu),
+        ] {
+            assert!(!view.is_contiguous(), "{name}: the view is contiguous");
+        }
+        let tol = output_tol(dtype);
+        compare(
+            &format!("swiglu of a view [{rows}, {gate_up_width}] {dtype:?}"),
+            &swiglu(&gate_up_gpu)?,
+            &swiglu(&gate_up)?,
+            tol,
+        )?;
+        let [residual, routed, shared] = [(-8.0, 8.0), (-2.0, 2.0), (-2.0, 2.0)]
+            .map(|(low, high)| random(rng, &[rows, HIDDEN], low, high, dtype));
+        let (residual, routed, shared) = (residual?, routed?, shared?);
+        let on_gpu = to_gpu_all(&[residual.clone(), routed.clone(), shared.clone()])?;
+        compare(
+            &format!("add_moe_output with a view of the gate logit [{rows}, 1] {dtype:?}"),
+            &add_moe_output(&on_gpu[0], &on_gpu[1], &on_gpu[2], &logit_gpu)?,
+            &add_moe_output(&residual, &routed, &shared, &logit)?,
+            tol,
+        )?;
+        let what = format!("moe_route of a view [{rows}, {EXPERTS}] {dtype:?}");
+        route_check(&what, &contiguous(&router)?, TOP_K, true, dtype)?;
+        let (view_w, view_ids) = moe_route(&router_gpu, TOP_K, true, dtype)?;
+        let (copy_w, copy_ids) = moe_route(&contiguous(&router_gpu)?, TOP_K, true, dtype)?;
+        identical(&format!("{what}: weights"), &view_w, &copy_w)?;
+        assert_eq!(
+            view_ids.to_device(&Device::Cpu)?.to_vec2::<u32>()?,
+            copy_ids.to_device(&Device::Cpu)?.to_vec2::<u32>()?,
+            "{what}: ids"
+        );
+        let kda = random(rng, &[rows, 5 + HV + 7], -12.0, 12.0, dtype)?;
+        let (b, b_gpu) = view_on_both(&kda, |t| t.narrow(1, 5, HV))?;
+        assert!(!b_gpu.is_contiguous(), "b: the view is contiguous");
+        compare(
+            &format!("kda_beta of a view [{rows}, {HV}] {dtype:?}"),
+            &kda_beta(&b_gpu)?,
+            &kda_beta(&b)?,
+            TIGHT,
+        )
+        .map(drop)
+    })
+}
+
 // --------------------------------- offset_rms_norm_rope, sigmoid_gate_mul
 
 /// Rotated channels of the full-attention heads (a quarter of `HEAD_DIM`).

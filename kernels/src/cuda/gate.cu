@@ -26,12 +26,16 @@ __global__ void kda_gate_kernel(const T* __restrict__ raw, const float* __restri
     }
 }
 
+// `b` as rows of `width`, `b_stride` elements apart; `out` contiguous.
 template <typename T>
-__global__ void kda_beta_kernel(const T* __restrict__ b, float* __restrict__ out, long long total) {
+__global__ void kda_beta_kernel(const T* __restrict__ b, long long b_stride,
+                                float* __restrict__ out, long long total, int width) {
     const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
     for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
          i += stride) {
-        out[i] = __fdiv_rn(1.0f, __fadd_rn(expf(-berrylm::to_f32(b[i])), 1.0f));
+        const long long row = i / width;
+        const float x = berrylm::to_f32(b[row * b_stride + (i - row * width)]);
+        out[i] = __fdiv_rn(1.0f, __fadd_rn(expf(-x), 1.0f));
     }
 }
 
@@ -56,14 +60,20 @@ extern "C" int berrylm_kda_gate(int raw_dtype, const void* raw, const float* a_l
     return berrylm::launch_status();
 }
 
-extern "C" int berrylm_kda_beta(int b_dtype, const void* b, float* out, long long total,
-                                void* stream) {
+// `b`: `rows` rows of `width` elements, row r starting `b_stride` >= width
+// elements after row r - 1 (the b columns of a KDA layer's stacked input
+// projection are read in place).
+extern "C" int berrylm_kda_beta(int b_dtype, const void* b, long long b_stride, float* out,
+                                long long rows, int width, void* stream) {
+    const long long total = rows * width;
     if (total == 0) return 0;
+    if (b_stride < width) return static_cast<int>(cudaErrorInvalidValue);
     const int threads = 256;
     const unsigned int blocks = berrylm::elementwise_blocks(total, threads);
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     BERRYLM_DISPATCH_DTYPE(b_dtype, T, {
-        kda_beta_kernel<T><<<blocks, threads, 0, s>>>(static_cast<const T*>(b), out, total);
+        kda_beta_kernel<T><<<blocks, threads, 0, s>>>(static_cast<const T*>(b), b_stride, out,
+                                                      total, width);
     });
     return berrylm::launch_status();
 }

@@ -1,4 +1,8 @@
 //! Bindings of `gate.cu`: the KDA forget gate and write strength.
+//!
+//! The write strength's input is read in place when its rows lie at a stride
+//! (the b columns of a KDA layer's stacked input projection, at more than one
+//! token).
 
 use std::ffi::{c_int, c_void};
 
@@ -26,8 +30,10 @@ extern "C" {
     fn berrylm_kda_beta(
         b_dtype: c_int,
         b: *const c_void,
+        b_stride: i64,
         out: *mut f32,
-        total: i64,
+        rows: i64,
+        width: c_int,
         stream: *mut c_void,
     ) -> c_int;
 }
@@ -61,13 +67,17 @@ impl KdaGateArgs<'_> {
 pub(crate) fn kda_beta(b: &Tensor) -> Result<Tensor> {
     const OP: &str = "kda_beta";
     let mut launch = Launch::new(OP, b)?;
-    let b = launch.input("b", b)?;
+    let (b, b_stride) = launch.input_rows("b", b)?;
     let b_dtype = launch.dtype(b);
     let shape = launch.shape(b).clone();
-    let total = shape.elem_count() as i64;
+    let width = shape.dims().last().copied().unwrap_or(1);
+    let rows = shape.elem_count() / width.max(1);
     let out = launch.output(shape, DType::F32)?;
+    // SAFETY (with `run_kernel!`'s): `b` is read as `rows` rows of `width` elements, `b_stride`
+    // elements apart from its first element, which its layout spans.
     let outputs = run_kernel!(launch => berrylm_kda_beta(
-        dtype(b_dtype), input(b), output(out), total
+        dtype(b_dtype), input(b), b_stride as i64, output(out), rows as i64,
+        c_size(OP, "b", width)?
     ))?;
     Ok(outputs.tensor(out))
 }

@@ -14,13 +14,13 @@
 namespace berrylm::mlp {
 
 template <typename T>
-__global__ void swiglu_kernel(const T* __restrict__ gate_up, T* __restrict__ out, long long total,
-                              int intermediate) {
+__global__ void swiglu_kernel(const T* __restrict__ gate_up, long long gate_up_stride,
+                              T* __restrict__ out, long long total, int intermediate) {
     const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
     for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
          i += stride) {
         const long long row = i / intermediate;
-        const long long gate_index = i + row * intermediate;  // row * 2I + column
+        const long long gate_index = row * gate_up_stride + (i - row * intermediate);
         const float activated = berrylm::round_to<T>(berrylm::silu(berrylm::to_f32(gate_up[gate_index])));
         out[i] = berrylm::from_f32<T>(
             __fmul_rn(activated, berrylm::to_f32(gate_up[gate_index + intermediate])));
@@ -30,12 +30,13 @@ __global__ void swiglu_kernel(const T* __restrict__ gate_up, T* __restrict__ out
 template <typename T>
 __global__ void add_moe_output_kernel(const T* __restrict__ residual, const T* __restrict__ routed,
                                       const T* __restrict__ shared,
-                                      const T* __restrict__ gate_logit, T* __restrict__ out,
+                                      const T* __restrict__ gate_logit,
+                                      long long gate_logit_stride, T* __restrict__ out,
                                       long long total, int hidden) {
     const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
     for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
          i += stride) {
-        const float logit = berrylm::to_f32(gate_logit[i / hidden]);
+        const float logit = berrylm::to_f32(gate_logit[i / hidden * gate_logit_stride]);
         const float gate =
             berrylm::round_to<T>(__fdiv_rn(1.0f, __fadd_rn(expf(-logit), 1.0f)));
         const float gated = berrylm::round_to<T>(__fmul_rn(gate, berrylm::to_f32(shared[i])));
@@ -50,22 +51,29 @@ constexpr int kThreads = 256;
 
 using namespace berrylm::mlp;
 
-extern "C" int berrylm_swiglu(int dtype, const void* gate_up, void* out, long long rows,
-                              int intermediate, void* stream) {
+// Row r of gate_up (its gate, then its up columns) starts `gate_up_stride`
+// >= 2 * intermediate elements after row r - 1.
+extern "C" int berrylm_swiglu(int dtype, const void* gate_up, long long gate_up_stride, void* out,
+                              long long rows, int intermediate, void* stream) {
     const long long total = rows * intermediate;
     if (total == 0) return 0;
+    if (gate_up_stride < 2ll * intermediate) return static_cast<int>(cudaErrorInvalidValue);
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     const unsigned int blocks = berrylm::elementwise_blocks(total, kThreads);
     BERRYLM_DISPATCH_DTYPE(dtype, T, {
         swiglu_kernel<T><<<blocks, kThreads, 0, s>>>(static_cast<const T*>(gate_up),
-                                                     static_cast<T*>(out), total, intermediate);
+                                                     gate_up_stride, static_cast<T*>(out), total,
+                                                     intermediate);
     });
     return berrylm::launch_status();
 }
 
+// The gate logit of row r is `gate_logit_stride` >= 1 elements after that of
+// row r - 1.
 extern "C" int berrylm_add_moe_output(int dtype, const void* residual, const void* routed,
-                                      const void* shared, const void* gate_logit, void* out,
-                                      long long rows, int hidden, void* stream) {
+                                      const void* shared, const void* gate_logit,
+                                      long long gate_logit_stride, void* out, long long rows,
+                                      int hidden, void* stream) {
     const long long total = rows * hidden;
     if (total == 0) return 0;
     cudaStream_t s = static_cast<cudaStream_t>(stream);
@@ -73,7 +81,7 @@ extern "C" int berrylm_add_moe_output(int dtype, const void* residual, const voi
     BERRYLM_DISPATCH_DTYPE(dtype, T, {
         add_moe_output_kernel<T><<<blocks, kThreads, 0, s>>>(
             static_cast<const T*>(residual), static_cast<const T*>(routed),
-            static_cast<const T*>(shared), static_cast<const T*>(gate_logit),
+            static_cast<const T*>(shared), static_cast<const T*>(gate_logit), gate_logit_stride,
             static_cast<T*>(out), total, hidden);
     });
     return berrylm::launch_status();

@@ -10,10 +10,12 @@
 // the grouping is computed on the device and the GEMMs' grids are sized from
 // a bound known on the host.
 //
-// Grouping (three kernels, deterministic):
+// Grouping (three kernels, deterministic; a call of one chunk, up to
+// kChunkRows routed rows, finds the same positions in one block,
+// `group_one_chunk_kernel`):
 // * `chunk_kernel<false>`: one warp per chunk of kChunkRows consecutive
-//   routed rows counts the chunk's rows per expert (`__match_any_sync` over
-//   32 rows at a time), into chunk_counts[chunk][e];
+//   routed rows counts the chunk's rows per expert (the lanes of equal ids
+//   found by ballots over 32 rows at a time), into chunk_counts[chunk][e];
 // * `scan_kernel` (one block, a thread per expert): replaces each count by
 //   the rows of that expert in the earlier chunks, sums each expert's rows,
 //   scans over the experts (the expert's first grouped row, `offsets`) and
@@ -62,10 +64,63 @@ constexpr int kChunkWarps = 4;                 // chunks per block
 constexpr int kScanThreads = 1024;             // one per expert
 constexpr int kMaxExperts = kScanThreads;
 
-// Walks the routed rows of this warp's chunk in order. `seen[e]` starts as
-// the grouped rows of expert e before the chunk (kScatter) or 0 (counting)
-// and ends as that plus the chunk's rows of e. With kScatter each row's
-// grouped position and the token of that position are written.
+// The lanes of the warp whose `key` (below 2^key_bits) equals this lane's:
+// what __match_any_sync returns, from one ballot per bit of the key. The
+// ballots are independent and cheap, where match.any took most of a
+// grouping walk's time on the H200 (kernels/CUDA.md).
+__device__ __forceinline__ unsigned same_key_lanes(uint32_t key, int key_bits) {
+    unsigned lanes = 0xffffffffu;
+    for (int bit = 0; bit < key_bits; ++bit) {
+        const bool set = (key >> bit) & 1u;
+        const unsigned lanes_set = __ballot_sync(0xffffffffu, set);
+        lanes &= set ? lanes_set : ~lanes_set;
+    }
+    return lanes;
+}
+
+// Walks the routed rows of the chunk starting at routed row `first` in order,
+// in one warp. `seen[e]` starts as the grouped rows of expert e before the
+// chunk (kScatter) or 0 (counting) and ends as that plus the chunk's rows of
+// e. With kScatter each row's grouped position and the token of that
+// position are written.
+template <bool kScatter>
+__device__ __forceinline__ void walk_chunk(const uint32_t* __restrict__ ids, int routed, int top_k,
+                                           int experts, long long first, uint32_t* seen,
+                                           uint32_t* __restrict__ positions,
+                                           uint32_t* __restrict__ tokens_of) {
+    const int lane = threadIdx.x % 32;
+    uint32_t chunk_ids[kChunkSteps];
+#pragma unroll
+    for (int step = 0; step < kChunkSteps; ++step) {
+        const long long r = first + step * 32 + lane;
+        chunk_ids[step] = r < routed ? ids[r] : kNotRouted;
+    }
+    __syncwarp();
+    const unsigned earlier_lanes = (1u << lane) - 1u;
+    // Keys 0 .. experts: an expert's id, or `experts` for a row routed to none.
+    const int key_bits = 32 - __clz(experts);
+#pragma unroll
+    for (int step = 0; step < kChunkSteps; ++step) {
+        const uint32_t id = chunk_ids[step];
+        const bool valid = id < static_cast<uint32_t>(experts);
+        const unsigned peers =
+            same_key_lanes(valid ? id : static_cast<uint32_t>(experts), key_bits);
+        const uint32_t rank = __popc(peers & earlier_lanes);
+        const uint32_t base = valid ? seen[id] : 0u;
+        __syncwarp();
+        if (valid && rank == 0) seen[id] = base + __popc(peers);
+        __syncwarp();
+        if constexpr (kScatter) {
+            const long long r = first + step * 32 + lane;
+            if (r < routed) positions[r] = valid ? base + rank : kNotRouted;
+            if (valid) tokens_of[base + rank] = static_cast<uint32_t>(r / top_k);
+        }
+    }
+}
+
+// One warp per chunk of kChunkRows routed rows: walk_chunk from the chunk's
+// counts (kScatter: the rows of each expert in the earlier chunks, plus its
+// offset) or from 0 (counting, into chunk_counts[chunk][e]).
 template <bool kScatter>
 __global__ void __launch_bounds__(kChunkWarps * 32)
     chunk_kernel(const uint32_t* __restrict__ ids, int routed, int top_k, int experts,
@@ -80,31 +135,8 @@ __global__ void __launch_bounds__(kChunkWarps * 32)
     uint32_t* seen = seen_all + warp * experts;
     uint32_t* counts = chunk_counts + static_cast<long long>(chunk) * experts;
     for (int e = lane; e < experts; e += 32) seen[e] = kScatter ? counts[e] + offsets[e] : 0u;
-    const long long first = static_cast<long long>(chunk) * kChunkRows;
-    uint32_t chunk_ids[kChunkSteps];
-#pragma unroll
-    for (int step = 0; step < kChunkSteps; ++step) {
-        const long long r = first + step * 32 + lane;
-        chunk_ids[step] = r < routed ? ids[r] : kNotRouted;
-    }
-    __syncwarp();
-    const unsigned earlier_lanes = (1u << lane) - 1u;
-#pragma unroll
-    for (int step = 0; step < kChunkSteps; ++step) {
-        const uint32_t id = chunk_ids[step];
-        const bool valid = id < static_cast<uint32_t>(experts);
-        const unsigned peers = __match_any_sync(0xffffffffu, valid ? id : kNotRouted);
-        const uint32_t rank = __popc(peers & earlier_lanes);
-        const uint32_t base = valid ? seen[id] : 0u;
-        __syncwarp();
-        if (valid && rank == 0) seen[id] = base + __popc(peers);
-        __syncwarp();
-        if constexpr (kScatter) {
-            const long long r = first + step * 32 + lane;
-            if (r < routed) positions[r] = valid ? base + rank : kNotRouted;
-            if (valid) tokens_of[base + rank] = static_cast<uint32_t>(r / top_k);
-        }
-    }
+    walk_chunk<kScatter>(ids, routed, top_k, experts, static_cast<long long>(chunk) * kChunkRows,
+                         seen, positions, tokens_of);
     if constexpr (!kScatter) {
         for (int e = lane; e < experts; e += 32) counts[e] = seen[e];
     }
@@ -134,6 +166,32 @@ __device__ uint32_t block_exclusive_scan(uint32_t value, uint32_t& total) {
     return before + inclusive - value;
 }
 
+// Thread e of a block of kScanThreads, with the `rows` of expert e (0 for e
+// >= experts): writes the expert's first grouped row (`offsets`) and its tiles
+// of up to `tile_rows` rows, and the tile count; returns the first grouped
+// row. All threads call it.
+__device__ uint32_t write_tile_table(uint32_t rows, int experts, int tile_rows,
+                                     uint32_t* __restrict__ offsets, uint4* __restrict__ tiles,
+                                     uint32_t* __restrict__ tile_count) {
+    const int e = threadIdx.x;
+    const uint32_t expert_tiles = (rows + tile_rows - 1) / tile_rows;
+    uint32_t all_rows;
+    uint32_t all_tiles;
+    const uint32_t first_row = block_exclusive_scan(rows, all_rows);
+    const uint32_t first_tile = block_exclusive_scan(expert_tiles, all_tiles);
+    if (e < experts) {
+        offsets[e] = first_row;
+        for (uint32_t t = 0; t < expert_tiles; ++t) {
+            const uint32_t start = t * tile_rows;
+            tiles[first_tile + t] =
+                make_uint4(static_cast<uint32_t>(e), first_row + start,
+                           min(static_cast<uint32_t>(tile_rows), rows - start), 0u);
+        }
+    }
+    if (e == 0) *tile_count = all_tiles;
+    return first_row;
+}
+
 // Thread e: the chunk counts of expert e turned into its rows before each
 // chunk, the expert's first grouped row and its tiles of up to `tile_rows`.
 __global__ void __launch_bounds__(kScanThreads)
@@ -161,21 +219,56 @@ __global__ void __launch_bounds__(kScanThreads)
             rows += count;
         }
     }
-    const uint32_t expert_tiles = (rows + tile_rows - 1) / tile_rows;
-    uint32_t all_rows;
-    uint32_t all_tiles;
-    const uint32_t first_row = block_exclusive_scan(rows, all_rows);
-    const uint32_t first_tile = block_exclusive_scan(expert_tiles, all_tiles);
-    if (e < experts) {
-        offsets[e] = first_row;
-        for (uint32_t t = 0; t < expert_tiles; ++t) {
-            const uint32_t start = t * tile_rows;
-            tiles[first_tile + t] =
-                make_uint4(static_cast<uint32_t>(e), first_row + start,
-                           min(static_cast<uint32_t>(tile_rows), rows - start), 0u);
+    write_tile_table(rows, experts, tile_rows, offsets, tiles, tile_count);
+}
+
+// The whole grouping of a call of one chunk (decode batches, short prompts;
+// up to kOneChunkMaxExperts experts) in one block of kScanThreads, a thread
+// per routed row: each warp finds the equal ids among its 32 rows, the
+// per-warp counts are scanned over the warps for each expert, every thread
+// writes its expert's offset and tiles, and every row its grouped position.
+// The positions are those of the walks above (an expert's rows in
+// increasing r), from one launch instead of three.
+constexpr int kOneChunkMaxExperts = 256;
+constexpr int kWarps = kScanThreads / 32;
+static_assert(kChunkRows == kScanThreads, "a thread per routed row of the chunk");
+
+__global__ void __launch_bounds__(kScanThreads)
+    group_one_chunk_kernel(const uint32_t* __restrict__ ids, int routed, int top_k, int experts,
+                           int tile_rows, uint32_t* __restrict__ offsets,
+                           uint4* __restrict__ tiles, uint32_t* __restrict__ tile_count,
+                           uint32_t* __restrict__ positions, uint32_t* __restrict__ tokens_of) {
+    // The rows of expert e in warp w, then in the warps before w.
+    __shared__ uint32_t warp_rows[kWarps][kOneChunkMaxExperts];
+    __shared__ uint32_t first_rows[kOneChunkMaxExperts];
+    const int t = threadIdx.x;
+    const int lane = t % 32;
+    const int warp = t / 32;
+    for (int i = t; i < kWarps * experts; i += kScanThreads) warp_rows[i / experts][i % experts] = 0u;
+    const uint32_t id = t < routed ? ids[t] : kNotRouted;
+    const bool valid = id < static_cast<uint32_t>(experts);
+    const unsigned peers =
+        same_key_lanes(valid ? id : static_cast<uint32_t>(experts), 32 - __clz(experts));
+    const uint32_t rank = __popc(peers & ((1u << lane) - 1u));
+    __syncthreads();
+    if (valid && rank == 0) warp_rows[warp][id] = __popc(peers);
+    __syncthreads();
+    uint32_t rows = 0;
+    if (t < experts) {
+        for (int w = 0; w < kWarps; ++w) {
+            const uint32_t in_warp = warp_rows[w][t];
+            warp_rows[w][t] = rows;
+            rows += in_warp;
         }
     }
-    if (e == 0) *tile_count = all_tiles;
+    const uint32_t first_row = write_tile_table(rows, experts, tile_rows, offsets, tiles, tile_count);
+    if (t < experts) first_rows[t] = first_row;
+    __syncthreads();
+    if (t < routed) {
+        const uint32_t position = valid ? first_rows[id] + warp_rows[warp][id] + rank : kNotRouted;
+        positions[t] = position;
+        if (valid) tokens_of[position] = static_cast<uint32_t>(t / top_k);
+    }
 }
 
 // ---------------------------------------------------------------------- GEMM
@@ -447,15 +540,22 @@ int launch(const Buffers& b, int tokens, int top_k, int experts, int hidden, int
            cudaStream_t stream) {
     const int routed = tokens * top_k;
     const int chunks = chunk_count(routed);
-    const unsigned chunk_blocks = static_cast<unsigned>((chunks + kChunkWarps - 1) / kChunkWarps);
-    const size_t chunk_smem = static_cast<size_t>(kChunkWarps) * experts * sizeof(uint32_t);
-    chunk_kernel<false><<<chunk_blocks, kChunkWarps * 32, chunk_smem, stream>>>(
-        b.ids, routed, top_k, experts, chunks, b.chunk_counts, nullptr, nullptr, nullptr);
-    scan_kernel<<<1, kScanThreads, 0, stream>>>(b.chunk_counts, chunks, experts, kBlockM,
-                                                b.offsets, b.tiles, b.tile_count);
-    chunk_kernel<true><<<chunk_blocks, kChunkWarps * 32, chunk_smem, stream>>>(
-        b.ids, routed, top_k, experts, chunks, b.chunk_counts, b.offsets, b.positions,
-        b.tokens_of);
+    if (chunks == 1 && experts <= kOneChunkMaxExperts) {
+        group_one_chunk_kernel<<<1, kScanThreads, 0, stream>>>(
+            b.ids, routed, top_k, experts, kBlockM, b.offsets, b.tiles, b.tile_count, b.positions,
+            b.tokens_of);
+    } else {
+        const unsigned chunk_blocks =
+            static_cast<unsigned>((chunks + kChunkWarps - 1) / kChunkWarps);
+        const size_t chunk_smem = static_cast<size_t>(kChunkWarps) * experts * sizeof(uint32_t);
+        chunk_kernel<false><<<chunk_blocks, kChunkWarps * 32, chunk_smem, stream>>>(
+            b.ids, routed, top_k, experts, chunks, b.chunk_counts, nullptr, nullptr, nullptr);
+        scan_kernel<<<1, kScanThreads, 0, stream>>>(b.chunk_counts, chunks, experts, kBlockM,
+                                                    b.offsets, b.tiles, b.tile_count);
+        chunk_kernel<true><<<chunk_blocks, kChunkWarps * 32, chunk_smem, stream>>>(
+            b.ids, routed, top_k, experts, chunks, b.chunk_counts, b.offsets, b.positions,
+            b.tokens_of);
+    }
     int status = launch_status();
     if (status != 0) return status;
 

@@ -324,9 +324,9 @@ __device__ void torch_top_k_block(const Queue& queue, int n, int k, PartitionScr
 
 template <typename T>
 __global__ void __launch_bounds__(kMaxExperts)
-    moe_route_kernel(const T* __restrict__ logits, float* __restrict__ weights,
-                     unsigned int* __restrict__ ids, int experts, int top_k, int renormalize,
-                     int weight_dtype) {
+    moe_route_kernel(const T* __restrict__ logits, long long logits_stride,
+                     float* __restrict__ weights, unsigned int* __restrict__ ids, int experts,
+                     int top_k, int renormalize, int weight_dtype) {
     __shared__ float prob[kMaxExperts];
     __shared__ int order[kMaxExperts];
     __shared__ float top_prob[kMaxExperts];
@@ -342,7 +342,7 @@ __global__ void __launch_bounds__(kMaxExperts)
     const long long row = blockIdx.x;
     const bool owner = t < experts;
 
-    const float logit = owner ? berrylm::to_f32(logits[row * experts + t]) : -INFINITY;
+    const float logit = owner ? berrylm::to_f32(logits[row * logits_stride + t]) : -INFINITY;
     float m = berrylm::warp_max(logit);
     if (lane == 0) partial[warp] = m;
     if (t == 0) tied = 0;
@@ -419,13 +419,16 @@ __global__ void __launch_bounds__(kMaxExperts)
 
 using namespace berrylm::route;
 
-// `weight_dtype` is the dtype the weights are rounded to (they are stored as
-// f32); 1 <= top_k <= experts <= kMaxExperts.
-extern "C" int berrylm_moe_route(int logits_dtype, const void* logits, float* weights,
-                                 unsigned int* ids, long long rows, int experts, int top_k,
-                                 int renormalize, int weight_dtype, void* stream) {
+// Row r of the logits starts `logits_stride` >= experts elements after row
+// r - 1 (a view of the router's columns in a stacked projection's output is
+// read in place). `weight_dtype` is the dtype the weights are rounded to
+// (they are stored as f32); 1 <= top_k <= experts <= kMaxExperts.
+extern "C" int berrylm_moe_route(int logits_dtype, const void* logits, long long logits_stride,
+                                 float* weights, unsigned int* ids, long long rows, int experts,
+                                 int top_k, int renormalize, int weight_dtype, void* stream) {
     if (rows == 0) return 0;
     if (experts < 1 || experts > kMaxExperts || top_k < 1 || top_k > experts ||
+        logits_stride < experts ||
         rows > 0x7fffffffll ||
         (weight_dtype != berrylm::kF32 && weight_dtype != berrylm::kBF16 &&
          weight_dtype != berrylm::kF16)) {
@@ -435,8 +438,8 @@ extern "C" int berrylm_moe_route(int logits_dtype, const void* logits, float* we
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     BERRYLM_DISPATCH_DTYPE(logits_dtype, T, {
         moe_route_kernel<T><<<static_cast<unsigned int>(rows), threads, 0, s>>>(
-            static_cast<const T*>(logits), weights, ids, experts, top_k, renormalize,
-            weight_dtype);
+            static_cast<const T*>(logits), logits_stride, weights, ids, experts, top_k,
+            renormalize, weight_dtype);
     });
     return berrylm::launch_status();
 }

@@ -1,4 +1,7 @@
 //! Binding of `route.cu`: the MoE router.
+//!
+//! The logits are read in place when their rows lie at a stride (the router's
+//! columns of the MoE's stacked input projection, at more than one token).
 
 use std::ffi::{c_int, c_void};
 
@@ -16,6 +19,7 @@ extern "C" {
     fn berrylm_moe_route(
         logits_dtype: c_int,
         logits: *const c_void,
+        logits_stride: i64,
         weights: *mut f32,
         ids: *mut u32,
         rows: i64,
@@ -47,12 +51,14 @@ impl MoeRouteArgs<'_> {
             ));
         }
         let mut launch = Launch::new(OP, self.router_logits)?;
-        let logits = launch.input("router_logits", self.router_logits)?;
+        let (logits, logits_stride) = launch.input_rows("router_logits", self.router_logits)?;
         let logits_dtype = launch.dtype(logits);
         let weights = launch.output(&[rows, top_k], DType::F32)?;
         let ids = launch.output(&[rows, top_k], DType::U32)?;
+        // SAFETY (with `run_kernel!`'s): `logits` is read as `rows` rows of `experts` elements,
+        // `logits_stride` elements apart from its first element, which its layout spans.
         let outputs = run_kernel!(launch => berrylm_moe_route(
-            dtype(logits_dtype), input(logits), output(weights), output(ids),
+            dtype(logits_dtype), input(logits), logits_stride as i64, output(weights), output(ids),
             rows as i64,
             c_size(OP, "router_logits", experts)?,
             c_size(OP, "top_k", top_k)?,
