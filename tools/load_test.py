@@ -948,6 +948,10 @@ async def stream_request(client, path, payload, record, hangup_after=None):
     except asyncio.CancelledError:
         record.cancelled = True
         record.end = time.monotonic()
+        # The connection is aborted below; its end is the tool's doing, not the server's. (The
+        # future is already cancelled when the cancellation came while awaiting it, not when it
+        # came during create_connection.)
+        protocol.finished.cancel()
         raise
     except Exception as error:  # the tool never crashes on what a server sends
         record.fail("client_error", f"{type(error).__name__}: {error}")

@@ -14,10 +14,12 @@ stream for `long_stall_s` (a long prefill). Like mistral.rs 0.8.1 it rejects tok
 function of the server that returns one).
 """
 
+import asyncio
 import contextlib
 import io
 import json
 import os
+import socket
 import sys
 import tempfile
 import threading
@@ -356,6 +358,40 @@ def test_a_request_that_times_out_is_an_error():
         ])
     assert status == 1 and time.monotonic() - started < 8
     assert list(figures["cells"][0]["errors_by_kind"]) == ["timeout"]
+
+
+def test_a_request_cancelled_by_the_tool_is_not_an_error():
+    """A run's end cancels the requests in flight. One cancelled after its connection was made but
+    before `create_connection` returned (a window the interference mode's end sometimes hit) was
+    counted as "connection closed before the response headers" when the tool aborted its connection."""
+    async def scenario(listener):
+        loop = asyncio.get_running_loop()
+        connect = loop.create_connection
+        made = asyncio.Event()
+
+        async def connect_then_wait(factory, host, port):
+            result = await connect(factory, host, port)
+            made.set()
+            await asyncio.sleep(3600)  # the cancellation lands here
+            return result
+
+        loop.create_connection = connect_then_wait
+        client = load_test.Client(("127.0.0.1", listener.getsockname()[1], ""), "default", 10.0)
+        record = load_test.Record("background")
+        task = asyncio.ensure_future(
+            load_test.stream_request(client, "/v1/completions", {"prompt": "t1", "stream": True}, record))
+        await made.wait()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0.05)  # the aborted connection's callbacks run
+        return record
+
+    # A server that takes the connection (the kernel's backlog) and never answers.
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        record = asyncio.run(scenario(listener))
+    assert record.cancelled and not record.failed and not record.ok, (record.error_kind, record.error_text)
 
 
 # ----------------------------------------------------------------------------- interference
