@@ -78,17 +78,25 @@ __device__ __forceinline__ unsigned same_key_lanes(uint32_t key, int key_bits) {
     return lanes;
 }
 
-// Walks the routed rows of the chunk starting at routed row `first` in order,
-// in one warp. `seen[e]` starts as the grouped rows of expert e before the
-// chunk (kScatter) or 0 (counting) and ends as that plus the chunk's rows of
-// e. With kScatter each row's grouped position and the token of that
-// position are written.
+// Walks the routed rows of this warp's chunk in order. `seen[e]` starts as
+// the grouped rows of expert e before the chunk (kScatter) or 0 (counting)
+// and ends as that plus the chunk's rows of e. With kScatter each row's
+// grouped position and the token of that position are written.
 template <bool kScatter>
-__device__ __forceinline__ void walk_chunk(const uint32_t* __restrict__ ids, int routed, int top_k,
-                                           int experts, long long first, uint32_t* seen,
-                                           uint32_t* __restrict__ positions,
-                                           uint32_t* __restrict__ tokens_of) {
+__global__ void __launch_bounds__(kChunkWarps * 32)
+    chunk_kernel(const uint32_t* __restrict__ ids, int routed, int top_k, int experts,
+                 int chunks, uint32_t* __restrict__ chunk_counts,
+                 const uint32_t* __restrict__ offsets, uint32_t* __restrict__ positions,
+                 uint32_t* __restrict__ tokens_of) {
+    extern __shared__ uint32_t seen_all[];  // [kChunkWarps][experts]
+    const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
+    const int chunk = blockIdx.x * kChunkWarps + warp;
+    if (chunk >= chunks) return;  // the whole warp; no block-wide barrier follows
+    uint32_t* seen = seen_all + warp * experts;
+    uint32_t* counts = chunk_counts + static_cast<long long>(chunk) * experts;
+    for (int e = lane; e < experts; e += 32) seen[e] = kScatter ? counts[e] + offsets[e] : 0u;
+    const long long first = static_cast<long long>(chunk) * kChunkRows;
     uint32_t chunk_ids[kChunkSteps];
 #pragma unroll
     for (int step = 0; step < kChunkSteps; ++step) {
@@ -116,27 +124,6 @@ __device__ __forceinline__ void walk_chunk(const uint32_t* __restrict__ ids, int
             if (valid) tokens_of[base + rank] = static_cast<uint32_t>(r / top_k);
         }
     }
-}
-
-// One warp per chunk of kChunkRows routed rows: walk_chunk from the chunk's
-// counts (kScatter: the rows of each expert in the earlier chunks, plus its
-// offset) or from 0 (counting, into chunk_counts[chunk][e]).
-template <bool kScatter>
-__global__ void __launch_bounds__(kChunkWarps * 32)
-    chunk_kernel(const uint32_t* __restrict__ ids, int routed, int top_k, int experts,
-                 int chunks, uint32_t* __restrict__ chunk_counts,
-                 const uint32_t* __restrict__ offsets, uint32_t* __restrict__ positions,
-                 uint32_t* __restrict__ tokens_of) {
-    extern __shared__ uint32_t seen_all[];  // [kChunkWarps][experts]
-    const int warp = threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
-    const int chunk = blockIdx.x * kChunkWarps + warp;
-    if (chunk >= chunks) return;  // the whole warp; no block-wide barrier follows
-    uint32_t* seen = seen_all + warp * experts;
-    uint32_t* counts = chunk_counts + static_cast<long long>(chunk) * experts;
-    for (int e = lane; e < experts; e += 32) seen[e] = kScatter ? counts[e] + offsets[e] : 0u;
-    walk_chunk<kScatter>(ids, routed, top_k, experts, static_cast<long long>(chunk) * kChunkRows,
-                         seen, positions, tokens_of);
     if constexpr (!kScatter) {
         for (int e = lane; e < experts; e += 32) counts[e] = seen[e];
     }
