@@ -29,8 +29,9 @@
 // position is kNotRouted, which the combine never reads since it skips the
 // same ids) and nothing is written for it.
 //
-// GEMM (`gemm_kernel`, one launch per projection): a block of 8 warps
-// computes a tile of up to kBlockM (128) grouped rows of one expert by
+// GEMM (`gemm_kernel`, one launch per projection, in a `Shape`: the prompt
+// shape's sizes below, the decode shape's at `DecodeShape`): a block of 8
+// warps computes a tile of up to kBlockM (128) grouped rows of one expert by
 // kBlockN (256) output columns, looked up in the tile table (blocks past its
 // length exit; the grid is sized for ceil(R / kBlockM) + E tiles, a bound on
 // their number). A rows are rows of x read through `tokens_of` (gate | up) or
@@ -260,29 +261,50 @@ __global__ void __launch_bounds__(kScanThreads)
 
 // ---------------------------------------------------------------------- GEMM
 
-constexpr int kBlockM = 128;  // grouped rows per tile
-constexpr int kBlockN = 256;  // output columns per block (gate | up: 128 h columns)
-constexpr int kBlockK = 64;   // K per stage
-constexpr int kStages = 4;
-constexpr int kWarpsM = 2;
-constexpr int kWarpsN = 4;
-constexpr int kThreads = kWarpsM * kWarpsN * 32;
-constexpr int kPad = 8;       // elements of padding per shared-memory row
-constexpr int kStride = kBlockK + kPad;
-constexpr int kWarpM = kBlockM / kWarpsM;
-constexpr int kWarpN = kBlockN / kWarpsN;
-constexpr int kTilesM = kWarpM / 16;  // m16 tiles per warp
-constexpr int kTilesN = kWarpN / 8;   // n8 tiles per warp
-constexpr int kChunksPerRow = kBlockK / 8;  // 16-byte chunks per row and stage
-constexpr int kLoadsA = kBlockM * kChunksPerRow / kThreads;
-constexpr int kLoadsB = kBlockN * kChunksPerRow / kThreads;
-static_assert(kLoadsA * kThreads == kBlockM * kChunksPerRow, "A chunks per thread");
-static_assert(kLoadsB * kThreads == kBlockN * kChunksPerRow, "B chunks per thread");
-static_assert(kTilesN % 4 == 0, "pairs of n8 tiles in each half of a warp's columns");
+// The shape of a GEMM launch: BlockM grouped rows (of one expert) by BlockN
+// output columns a block, BlockK of K a stage, Stages stages in shared
+// memory, WarpsM x WarpsN warps (each WarpM rows by WarpN columns), and the
+// blocks an SM should hold.
+template <int BlockM, int BlockN, int BlockK, int Stages, int WarpsM, int WarpsN, int BlocksPerSm>
+struct Shape {
+    static constexpr int kBlockM = BlockM;
+    static constexpr int kBlockN = BlockN;
+    static constexpr int kBlockK = BlockK;
+    static constexpr int kStages = Stages;
+    static constexpr int kWarpsN = WarpsN;
+    static constexpr int kBlocksPerSm = BlocksPerSm;
+    static constexpr int kThreads = WarpsM * WarpsN * 32;
+    static constexpr int kPad = 8;  // elements of padding per shared-memory row
+    static constexpr int kStride = BlockK + kPad;
+    static constexpr int kWarpM = BlockM / WarpsM;
+    static constexpr int kWarpN = BlockN / WarpsN;
+    static constexpr int kTilesM = kWarpM / 16;  // m16 tiles per warp
+    static constexpr int kTilesN = kWarpN / 8;   // n8 tiles per warp
+    static constexpr int kChunksPerRow = BlockK / 8;  // 16-byte chunks per row and stage
+    static constexpr int kLoadsA = BlockM * kChunksPerRow / kThreads;
+    static constexpr int kLoadsB = BlockN * kChunksPerRow / kThreads;
+    static_assert(kLoadsA * kThreads == BlockM * kChunksPerRow, "A chunks per thread");
+    static_assert(kLoadsB * kThreads == BlockN * kChunksPerRow, "B chunks per thread");
+    static_assert(kTilesM >= 1 && kWarpM % 16 == 0, "whole m16 tiles per warp");
+    static_assert(kTilesN % 4 == 0, "pairs of n8 tiles in each half of a warp's columns");
 
-template <typename T> constexpr int smem_bytes() {
-    return kStages * (kBlockM + kBlockN) * kStride * static_cast<int>(sizeof(T));
-}
+    template <typename T> static constexpr int smem_bytes() {
+        return Stages * (BlockM + BlockN) * kStride * static_cast<int>(sizeof(T));
+    }
+
+    // The shared-memory row of B (0 .. BlockN) whose n8 tile `nb` of the warp
+    // in column `warp_n` starts there: the first kTilesN / 2 tiles in the
+    // first half of the block's rows (gate rows, for gate | up), the others
+    // at the same place of the second half (up rows).
+    __device__ static __forceinline__ int b_row(int warp_n, int nb) {
+        constexpr int kHalf = kTilesN / 2;
+        return (nb / kHalf) * (BlockN / 2) + warp_n * (kWarpN / 2) + (nb % kHalf) * 8;
+    }
+};
+
+// Prompts: 128 x 256 tiles, K stages of 64 (128 contiguous bytes of each
+// weight row), one block of 8 warps per SM.
+using PromptShape = Shape<128, 256, 64, 4, 2, 4, 1>;
 
 struct GemmParams {
     const void* a;              // x [tokens, k] (through a_rows) or h [R, k]
@@ -296,17 +318,12 @@ struct GemmParams {
     int n_blocks;               // blocks per tile along the columns
 };
 
-// The shared-memory row of B (0 .. kBlockN) whose n8 tile `nb` of the warp
-// in column `warp_n` starts there: the first kTilesN / 2 tiles in the first
-// half of the block's rows (gate rows, for gate | up), the others at the
-// same place of the second half (up rows).
-__device__ __forceinline__ int b_row(int warp_n, int nb) {
-    constexpr int kHalf = kTilesN / 2;
-    return (nb / kHalf) * (kBlockN / 2) + warp_n * (kWarpN / 2) + (nb % kHalf) * 8;
-}
-
-template <typename T, bool kGated>
-__global__ void __launch_bounds__(kThreads, 1) gemm_kernel(const GemmParams p) {
+template <typename T, bool kGated, typename S>
+__global__ void __launch_bounds__(S::kThreads, S::kBlocksPerSm) gemm_kernel(const GemmParams p) {
+    constexpr int kBlockM = S::kBlockM, kBlockN = S::kBlockN, kBlockK = S::kBlockK;
+    constexpr int kStages = S::kStages, kThreads = S::kThreads, kStride = S::kStride;
+    constexpr int kWarpM = S::kWarpM, kTilesM = S::kTilesM, kTilesN = S::kTilesN;
+    constexpr int kChunksPerRow = S::kChunksPerRow, kLoadsA = S::kLoadsA, kLoadsB = S::kLoadsB;
     const int tile_index = blockIdx.x / p.n_blocks;
     const int n_block = blockIdx.x % p.n_blocks;
     if (tile_index >= static_cast<int>(*p.tile_count)) return;
@@ -319,8 +336,8 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(const GemmParams p) {
     T* s_a = reinterpret_cast<T*>(smem);
     T* s_b = s_a + kStages * kBlockM * kStride;
     const int warp = threadIdx.x / 32;
-    const int warp_m = warp / kWarpsN;
-    const int warp_n = warp % kWarpsN;
+    const int warp_m = warp / S::kWarpsN;
+    const int warp_n = warp % S::kWarpsN;
     const int lane = threadIdx.x % 32;
     const int group = lane / 4;
     const int quad = lane % 4;
@@ -427,7 +444,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(const GemmParams p) {
 #pragma unroll
             for (int pair = 0; pair < kTilesN / 2; ++pair) {
                 ldmatrix_x4(frag_b[pair],
-                            tile_b + (b_row(warp_n, 2 * pair) + (lane & 7) + (lane >> 4) * 8) *
+                            tile_b + (S::b_row(warp_n, 2 * pair) + (lane & 7) + (lane >> 4) * 8) *
                                          kStride +
                                 kk * 16 + ((lane >> 3) & 1) * 8);
             }
@@ -461,7 +478,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(const GemmParams p) {
             if constexpr (kGated) {
 #pragma unroll
                 for (int nb = 0; nb < kTilesN / 2; ++nb) {
-                    const int column = n_block * (kBlockN / 2) + b_row(warp_n, nb) + quad * 2;
+                    const int column = n_block * (kBlockN / 2) + S::b_row(warp_n, nb) + quad * 2;
                     if (column >= p.n_out) continue;
                     float h[2];
 #pragma unroll
@@ -475,7 +492,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(const GemmParams p) {
             } else {
 #pragma unroll
                 for (int nb = 0; nb < kTilesN; ++nb) {
-                    const int column = n_block * kBlockN + b_row(warp_n, nb) + quad * 2;
+                    const int column = n_block * kBlockN + S::b_row(warp_n, nb) + quad * 2;
                     if (column >= p.n_out) continue;
                     *reinterpret_cast<unsigned*>(out_row + column) =
                         pack2<T>(acc[mi][nb][2 * r], acc[mi][nb][2 * r + 1]);
@@ -485,14 +502,14 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(const GemmParams p) {
     }
 }
 
-template <typename T, bool kGated>
+template <typename T, bool kGated, typename S>
 int launch_gemm(const GemmParams& p, int max_tiles, cudaStream_t stream) {
-    constexpr int smem = smem_bytes<T>();
+    constexpr int smem = S::template smem_bytes<T>();
     const cudaError_t status = cudaFuncSetAttribute(
-        gemm_kernel<T, kGated>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        gemm_kernel<T, kGated, S>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (status != cudaSuccess) return static_cast<int>(status);
     const long long blocks = static_cast<long long>(max_tiles) * p.n_blocks;
-    gemm_kernel<T, kGated><<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p);
+    gemm_kernel<T, kGated, S><<<static_cast<unsigned>(blocks), S::kThreads, smem, stream>>>(p);
     return launch_status();
 }
 
@@ -500,9 +517,26 @@ int launch_gemm(const GemmParams& p, int max_tiles, cudaStream_t stream) {
 
 inline int chunk_count(int routed) { return (routed + kChunkRows - 1) / kChunkRows; }
 
-// ceil(R / kBlockM) + E: at least sum_e ceil(rows_e / kBlockM).
+// Decode batches (up to kDecodeRoutedRows routed rows: a few rows an expert,
+// so a tile's weight reads are its cost): 32 x 128 tiles, K stages of 128
+// (256 contiguous bytes of each weight row), two blocks of 8 warps per SM,
+// so that one block's loads run while the other waits or writes. At 64 /
+// 128 / 256 tokens of BerryLM-OS this reads the weights at 3.72 / 3.64 /
+// 3.24 TB/s against the prompt shape's 3.22 / 3.16 / 2.85 (the H200 reads
+// 4.35 TB/s; kernels/CUDA.md), with the same results bit for bit: a
+// thread's products are summed in the same order whatever the tile.
+using DecodeShape = Shape<32, 128, 128, 2, 2, 4, 2>;
+constexpr int kDecodeRoutedRows = 2048;
+
+// The grouped rows a tile holds in a call of `routed` rows.
+inline int tile_rows(int routed) {
+    return routed <= kDecodeRoutedRows ? DecodeShape::kBlockM : PromptShape::kBlockM;
+}
+
+// ceil(R / M) + E for tiles of M rows: at least sum_e ceil(rows_e / M).
 inline int max_tile_count(int routed, int experts) {
-    return (routed + kBlockM - 1) / kBlockM + experts;
+    const int rows = tile_rows(routed);
+    return (routed + rows - 1) / rows + experts;
 }
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
@@ -522,9 +556,11 @@ struct Buffers {
     void* expert_out;
 };
 
-template <typename T>
-int launch(const Buffers& b, int tokens, int top_k, int experts, int hidden, int inter,
-           cudaStream_t stream) {
+// The grouping with tiles of S::kBlockM rows, then the two GEMMs in shape S.
+template <typename T, typename S>
+int launch_shaped(const Buffers& b, int tokens, int top_k, int experts, int hidden, int inter,
+                  cudaStream_t stream) {
+    constexpr int kBlockM = S::kBlockM, kBlockN = S::kBlockN;
     const int routed = tokens * top_k;
     const int chunks = chunk_count(routed);
     if (chunks == 1 && experts <= kOneChunkMaxExperts) {
@@ -546,14 +582,23 @@ int launch(const Buffers& b, int tokens, int top_k, int experts, int hidden, int
     int status = launch_status();
     if (status != 0) return status;
 
-    const int max_tiles = max_tile_count(routed, experts);
+    const int max_tiles = (routed + kBlockM - 1) / kBlockM + experts;
     const GemmParams gate_up{b.x,        b.tokens_of,  b.gate_up, b.h, b.tiles, b.tile_count,
                              hidden,     inter,        (inter + kBlockN / 2 - 1) / (kBlockN / 2)};
-    status = launch_gemm<T, true>(gate_up, max_tiles, stream);
+    status = launch_gemm<T, true, S>(gate_up, max_tiles, stream);
     if (status != 0) return status;
     const GemmParams down{b.h,    nullptr, b.down, b.expert_out, b.tiles, b.tile_count,
                           inter,  hidden,  (hidden + kBlockN - 1) / kBlockN};
-    return launch_gemm<T, false>(down, max_tiles, stream);
+    return launch_gemm<T, false, S>(down, max_tiles, stream);
+}
+
+template <typename T>
+int launch(const Buffers& b, int tokens, int top_k, int experts, int hidden, int inter,
+           cudaStream_t stream) {
+    const long long routed = static_cast<long long>(tokens) * top_k;
+    return routed <= kDecodeRoutedRows
+               ? launch_shaped<T, DecodeShape>(b, tokens, top_k, experts, hidden, inter, stream)
+               : launch_shaped<T, PromptShape>(b, tokens, top_k, experts, hidden, inter, stream);
 }
 
 }  // namespace berrylm::moe_grouped

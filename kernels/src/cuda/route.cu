@@ -43,6 +43,15 @@ __device__ __forceinline__ bool before(float a, float b) {
     return (isnan(a) && !isnan(b)) || a > b;
 }
 
+// An unsigned key of a float with before(a, b) == (rank_key(a) >
+// rank_key(b)): NaN the largest key, the others in their order (-0 as +0);
+// every key is above 0, the key of the block's threads past the experts.
+__device__ __forceinline__ unsigned rank_key(float x) {
+    if (isnan(x)) return 0xffffffffu;
+    const unsigned bits = __float_as_uint(x + 0.0f);
+    return (bits & 0x80000000u) != 0 ? ~bits : bits | 0x80000000u;
+}
+
 __device__ __forceinline__ int floor_log2(int n) { return 31 - __clz(n); }
 
 // The (value, index) pairs of PyTorch's top-k queue, in shared memory; the
@@ -328,6 +337,7 @@ __global__ void __launch_bounds__(kMaxExperts)
                      float* __restrict__ weights, unsigned int* __restrict__ ids, int experts,
                      int top_k, int renormalize, int weight_dtype) {
     __shared__ float prob[kMaxExperts];
+    __shared__ __align__(16) unsigned key[kMaxExperts];
     __shared__ int order[kMaxExperts];
     __shared__ float top_prob[kMaxExperts];
     __shared__ int top_id[kMaxExperts];
@@ -359,29 +369,37 @@ __global__ void __launch_bounds__(kMaxExperts)
     for (int w = 0; w < warps; ++w) sum = __fadd_rn(sum, partial[w]);
     const float p = __fdiv_rn(e, sum);
     if (owner) prob[t] = p;
+    key[t] = owner ? rank_key(p) : 0u;
     __syncthreads();
 
     if (owner) {
-        int ranked_before = 0, equal_before = 0, equal_after = 0;
-        for (int j = 0; j < experts; ++j) {
-            const float q = prob[j];
-            if (before(q, p)) {
-                ++ranked_before;
-            } else if (!before(p, q) && j != t) {
-                if (j < t) {
-                    ++equal_before;
-                } else {
-                    ++equal_after;
-                }
+        // Counts over the row's keys, four a shared load (the same address
+        // for every thread: a broadcast), in independent partial counts: a
+        // warp per scheduler has no other work to hide latencies behind.
+        const unsigned mine = key[t];
+        int ahead[4] = {}, same[4] = {}, same_before[4] = {};
+        const uint4* key4 = reinterpret_cast<const uint4*>(key);
+#pragma unroll 4
+        for (int j4 = 0; j4 < warps * 8; ++j4) {
+            const uint4 k4 = key4[j4];
+            const unsigned k[4] = {k4.x, k4.y, k4.z, k4.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                ahead[i] += k[i] > mine;
+                same[i] += k[i] == mine;
+                same_before[i] += (k[i] == mine) & (4 * j4 + i < t);
             }
         }
+        const int ranked_before = ahead[0] + ahead[1] + ahead[2] + ahead[3];
+        const int equal_before = same_before[0] + same_before[1] + same_before[2] + same_before[3];
+        const int equal = same[0] + same[1] + same[2] + same[3];  // this expert too
         const int rank = ranked_before + equal_before;
         if (rank < top_k) {
             top_prob[rank] = p;
             top_id[rank] = t;
         }
         // A tie among the k + 1 largest (every tie when k = E).
-        if (ranked_before < top_k && equal_before + equal_after > 0) tied = 1;
+        if (ranked_before < top_k && equal > 1) tied = 1;
     }
     __syncthreads();
     if (tied) {  // uniform over the block
