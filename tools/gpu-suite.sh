@@ -19,7 +19,8 @@
 # $SCALE_PREFILL, default 4096,16384, and decode at batch 1, 64 and 256; writes
 # the 40-layer checkpoint first, once per machine), scale-serve (that checkpoint
 # through `mistralrs serve`: tools/load_test.py's sweep at concurrency
-# $SCALE_CONCURRENCY, default 1,64,256, then batch-1 decode end to end),
+# $SCALE_CONCURRENCY, default 1,64,256, each cell after $SCALE_WARMUP_ROUNDS (default 1)
+# uncounted rounds, then batch-1 decode end to end),
 # scale-isq (that checkpoint served unquantized and with each ISQ type of
 # $SCALE_ISQ at once: load time, memory, batch-1 decode end to end alternated
 # between them, the sweep at concurrency 64 unless $SCALE_ISQ_SWEEP is 0),
@@ -113,7 +114,8 @@ scale_checkpoint() {
 # The scale-serve step: the 40-layer checkpoint through `mistralrs serve`
 # (paged attention, 256 sequences at most): the load tool's sweep over
 # concurrency $SCALE_CONCURRENCY of 128-token prompts and 128 output tokens,
-# then batch-1 decode end to end next to the forward of the scale-bench step
+# each cell after $SCALE_WARMUP_ROUNDS uncounted rounds of its concurrency
+# (default 1; 0 measures the cold server's first batches too), then batch-1 decode end to end next to the forward of the scale-bench step
 # ($OUT/bench-40l.json, when present).
 scale_serve() {
     local code forward=""
@@ -128,6 +130,7 @@ scale_serve() {
         nvidia-smi --query-gpu=memory.used --format=csv,noheader | sed "s/^/bf16: device memory in use /"
         timeout 420 python3 tools/load_test.py sweep --url "http://127.0.0.1:$SCALE_PORT" \
             --concurrency "${SCALE_CONCURRENCY:-1,64,256}" --prompt-tokens 128 --output-tokens 128 \
+            --warmup-rounds "${SCALE_WARMUP_ROUNDS:-1}" \
             ${OUT:+--json "$OUT/sweep-40l.json"}
         code=$?
         timeout 120 python3 tools/e2e_decode.py --url "http://127.0.0.1:$SCALE_PORT" \

@@ -37,6 +37,7 @@ supports, which the streaming modes work around:
 
 import argparse
 import asyncio
+import copy
 import dataclasses
 import http.client
 import ipaddress
@@ -1272,6 +1273,26 @@ async def sweep_prepare(client, args, notes):
     return kind, findings, measured
 
 
+# Output tokens of a warm-up round's requests: enough for a few batched decode steps.
+WARMUP_ROUND_TOKENS = 4
+
+
+def warm_up_cell(client, args, kind, concurrency, prompt_tokens, cell):
+    """--warmup-rounds rounds of the cell's concurrency and prompt length, WARMUP_ROUND_TOKENS output tokens
+    each, not counted in the cell: the server's first batch of a size can pay for kernels it loads, memory it
+    allocates and decode graphs it captures, once. Returns the failed requests' count."""
+    if not args.warmup_rounds:
+        return 0
+    rounds = copy.copy(args)
+    rounds.requests_per_client = args.warmup_rounds
+    rounds.duration_s = None
+    figures = sweep_cell(client, rounds, kind, concurrency, prompt_tokens, WARMUP_ROUND_TOKENS, f"warmup:{cell}")
+    if figures["errors"]:
+        print(f"warm-up rounds at concurrency {concurrency}, prompt {prompt_tokens}: {figures['errors']} failed")
+        print_errors(figures["errors_by_kind"])
+    return figures["errors"]
+
+
 def run_sweep(args, client):
     notes = []
     kind, findings, measured = asyncio.run(sweep_prepare(client, args, notes))
@@ -1280,7 +1301,10 @@ def run_sweep(args, client):
     for concurrency in args.concurrency:
         for prompt_tokens in args.prompt_tokens:
             for output_tokens in args.output_tokens:
+                warmup_errors = warm_up_cell(client, args, kind, concurrency, prompt_tokens, cell)
                 figures = sweep_cell(client, args, kind, concurrency, prompt_tokens, output_tokens, cell)
+                figures["warmup_rounds"] = args.warmup_rounds
+                figures["warmup_errors"] = warmup_errors
                 figures["prompt_tokens_measured"] = measured.get(prompt_tokens)
                 cells.append(figures)
                 cell += 1
@@ -1326,7 +1350,7 @@ def run_sweep(args, client):
             print_errors(c["errors_by_kind"])
     warn_lag(result)
     write_json(args.json, result)
-    return 1 if any(c["errors"] for c in cells) else 0
+    return 1 if any(c["errors"] or c["warmup_errors"] for c in cells) else 0
 
 
 # ----------------------------------------------------------------------------- interference
@@ -1917,7 +1941,9 @@ Per cell: requests, errors, output tokens/s (all output tokens of the cell / its
 p50/p99 (request sent to the first chunk with text), inter-token latency p50/p99 (gaps between the
 arrivals of a stream's consecutive text chunks), and the prompt length the server counted for a
 probe of that length. Prints a table; --json FILE has every figure. Exit status 1 when any request
-failed, 2 on bad arguments.
+failed, 2 on bad arguments. --warmup-rounds N sends N uncounted rounds of a cell's concurrency and
+prompt length (4 output tokens each) before the cell: a server's first batch of a size can pay once
+for kernels it loads, memory it allocates and decode graphs it captures.
 
 A cell's clients run in --processes processes (default one per 64 clients): the arrival time of a
 chunk is taken when its bytes are read, and one process parsing hundreds of streams would delay
@@ -1990,6 +2016,9 @@ def parse_mode_args(mode, argv):
         parser.add_argument("--duration-s", type=positive(float), default=None,
                             help="instead: each client sends requests until this many seconds have passed")
         parser.add_argument("--warmup", type=int, default=1, help="requests sent one by one before the grid (default 1)")
+        parser.add_argument("--warmup-rounds", type=int, default=0,
+                            help="rounds of each cell's concurrency and prompt length (4 output tokens a request) "
+                                 "sent before the cell and not counted in it (default 0)")
         parser.add_argument("--processes", type=positive(int), default=None,
                             help="client processes per cell (default: one per 64 clients, at most the CPU count), "
                                  "so that parsing the streams does not delay their time stamps")
@@ -2048,6 +2077,8 @@ def parse_mode_args(mode, argv):
             parser.error("--min-prompt-tokens must be at most --max-prompt-tokens")
         if args.server_pid and not os.path.exists(f"/proc/{args.server_pid}/status"):
             parser.error(f"--server-pid {args.server_pid}: no /proc/{args.server_pid}/status")
+    if mode == "sweep" and args.warmup_rounds < 0:
+        parser.error("--warmup-rounds must be 0 or more")
     if mode == "sweep" and args.warmup < 0:
         parser.error("--warmup must be at least 0")
     return args

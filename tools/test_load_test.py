@@ -319,6 +319,40 @@ def test_sweep_table_and_json_figures():
     assert out.count("\n| ") >= 5  # header + 4 cells
 
 
+def test_sweep_warmup_rounds_run_before_each_cell_and_are_not_counted():
+    def streams_of_a_run(rounds):
+        with FakeServer(accept_token_ids=True) as server:
+            status, out, figures = run_tool([
+                "sweep", "--url", server.url, "--concurrency", "3,2", "--prompt-tokens", "8",
+                "--output-tokens", "6", "--requests-per-client", "2", "--warmup-rounds", str(rounds),
+            ])
+            assert status == 0, out
+            return server.streams, figures["cells"]
+
+    plain_streams, plain_cells = streams_of_a_run(0)
+    warm_streams, warm_cells = streams_of_a_run(2)
+    # Two rounds of 3 and of 2 clients: 10 more completions, none of them in a cell.
+    assert warm_streams - plain_streams == 2 * 3 + 2 * 2
+    for plain, warm in zip(plain_cells, warm_cells):
+        assert (warm["requests"], warm["completed"], warm["output_tokens"]) == (
+            plain["requests"], plain["completed"], plain["output_tokens"])
+        assert warm["requests"] == warm["concurrency"] * 2 and warm["output_tokens"] == warm["requests"] * 6
+        assert (plain["warmup_rounds"], warm["warmup_rounds"]) == (0, 2)
+        assert warm["warmup_errors"] == 0
+
+
+def test_sweep_warmup_round_failures_fail_the_run():
+    with FakeServer(accept_token_ids=True, fail_every=3) as server:
+        status, out, figures = run_tool([
+            "sweep", "--url", server.url, "--concurrency", "3", "--prompt-tokens", "8", "--output-tokens", "2",
+            "--requests-per-client", "1", "--warmup-rounds", "1", "--no-probe", "--warmup", "0",
+        ])
+    # Every third stream fails, so one of the warm-up round's three does: reported, and the exit status is 1.
+    assert status == 1, out
+    assert figures["cells"][0]["warmup_errors"] >= 1
+    assert "warm-up rounds at concurrency 3" in out
+
+
 def test_sweep_sends_token_ids_when_the_server_takes_them():
     with FakeServer(accept_token_ids=True) as server:
         status, out, figures = run_tool([
