@@ -2263,7 +2263,18 @@ fn moe_experts_skip_ids_past_the_experts() -> Result<()> {
 #[test]
 fn conv_in_pool_matches_cpu_at_model_shapes() -> Result<()> {
     sweep(2700, CONV_MODEL_CALLS, &F32_BF16, |rng, call, dtype| {
-        conv_pool_case(rng, call, dtype, false)
+        conv_pool_case(rng, call, dtype, ConvPoolInput::Plain)
+    })
+}
+
+/// The input as a view of the conv's columns of a wider tensor (the KDA
+/// in-projection's output), read in place: decode at B = 64 and a 150-token
+/// prompt (three time chunks, so the pool's state is written by its own
+/// kernel after the convolution).
+#[test]
+fn conv_in_pool_reads_a_view_of_wider_rows() -> Result<()> {
+    sweep(2780, [(64, 1), (3, 150)], &F32_BF16, |rng, call, dtype| {
+        conv_pool_case(rng, call, dtype, ConvPoolInput::ViewOfWiderRows)
     })
 }
 
@@ -2272,24 +2283,42 @@ fn conv_in_pool_matches_cpu_at_model_shapes() -> Result<()> {
 #[test]
 fn conv_in_pool_pad_rows() -> Result<()> {
     sweep(2750, [(8, 1), (4, 200)], &F32_BF16, |rng, call, dtype| {
-        conv_pool_case(rng, call, dtype, true)
+        conv_pool_case(rng, call, dtype, ConvPoolInput::PadRows)
     })
 }
 
-/// `causal_conv1d_split_in_pool` on the GPU against the CPU's, `pad` making
-/// some rows pad rows.
+/// The input of a [`conv_pool_case`].
+#[derive(Clone, Copy, PartialEq)]
+enum ConvPoolInput {
+    Plain,
+    /// Some rows are pad rows ([`with_pad_rows`]).
+    PadRows,
+    /// `x` is a non-contiguous view of the middle columns of wider rows.
+    ViewOfWiderRows,
+}
+
+/// `causal_conv1d_split_in_pool` on the GPU against the CPU's.
 fn conv_pool_case(
     rng: &mut Rng,
     (batch, seq_len): (usize, usize),
     dtype: DType,
-    pad: bool,
+    input: ConvPoolInput,
 ) -> Result<()> {
     let dev = gpu();
     let mut slots = scattered_slots(rng, batch, POOL_ROWS);
-    if pad {
+    if input == ConvPoolInput::PadRows {
         slots = with_pad_rows(slots);
     }
     let (x, weight) = conv_model_inputs(rng, (batch, seq_len), dtype)?;
+    let x = if input == ConvPoolInput::ViewOfWiderRows {
+        let before = random(rng, &[batch, seq_len, 24], -2.0, 2.0, dtype)?;
+        let after = random(rng, &[batch, seq_len, 40], -2.0, 2.0, dtype)?;
+        let view = Tensor::cat(&[&before, &x, &after], 2)?.narrow(2, 24, CONV_DIM)?;
+        assert!(!view.is_contiguous(), "the view is contiguous");
+        view
+    } else {
+        x
+    };
     let pool = random(rng, &[POOL_ROWS, CONV_DIM, CONV_K], -2.0, 2.0, DType::F32)?;
     let what = format!(
         "causal_conv1d_split_in_pool B={batch} T={seq_len} {dtype:?} slots {:?}",

@@ -58,24 +58,26 @@ struct History {
     const TS* state;       // null: a zero state (a pad row)
     long long x_base;      // index of x[b, 0, c]
     long long state_base;  // index of state[r(b), c, 0]
-    int channels;
+    long long x_stride;    // elements between consecutive time steps (rows) of x
     int kernel_size;
     // The history of channel c of sequence b, whose state is row `row` of
     // `state` ([rows, C, K]); zeros for row -1.
-    __device__ __forceinline__ static History of(const TX* x, const TS* state, int b, int c,
-                                                 long long row, int seq_len, int channels,
-                                                 int kernel_size) {
+    __device__ __forceinline__ static History of(const TX* x, long long x_stride,
+                                                 const TS* state, int b, int c, long long row,
+                                                 int seq_len, int channels, int kernel_size) {
         return History{x,
                        row >= 0 ? state : nullptr,
-                       static_cast<long long>(b) * seq_len * channels + c,
+                       static_cast<long long>(b) * seq_len * x_stride + c,
                        row >= 0 ? (row * channels + c) * kernel_size : 0,
-                       channels,
+                       x_stride,
                        kernel_size};
     }
+    // The input at time step t of this channel.
+    __device__ __forceinline__ float input(int t) const {
+        return berrylm::to_f32(x[x_base + static_cast<long long>(t) * x_stride]);
+    }
     __device__ __forceinline__ float operator()(int i) const {
-        if (i >= kernel_size) {
-            return berrylm::to_f32(x[x_base + static_cast<long long>(i - kernel_size) * channels]);
-        }
+        if (i >= kernel_size) return input(i - kernel_size);
         return state != nullptr ? berrylm::to_f32(state[state_base + i]) : 0.0f;
     }
 };
@@ -112,9 +114,9 @@ __device__ __forceinline__ void write_new_state(const History<TX, TS>& history, 
 // `state` and `new_state` are not `__restrict__`: they may be one pool.
 template <typename TX, typename TS, int KC>
 __global__ void __launch_bounds__(kThreads)
-    causal_conv1d_kernel(const TX* __restrict__ x, const float* __restrict__ weight,
-                         StateRows<TS> rows, OutputGroups groups, int seq_len, int channels,
-                         int kernel_size) {
+    causal_conv1d_kernel(const TX* __restrict__ x, long long x_stride,
+                         const float* __restrict__ weight, StateRows<TS> rows,
+                         OutputGroups groups, int seq_len, int channels, int kernel_size) {
     const int c = blockIdx.x * kThreads + threadIdx.x;
     if (c >= channels) return;
     const int b = blockIdx.z;
@@ -122,7 +124,8 @@ __global__ void __launch_bounds__(kThreads)
     const int t0 = blockIdx.y * kChunk;
     const int t1 = min(seq_len, t0 + kChunk);
     const int k = KC > 0 ? KC : kernel_size;
-    const auto history = History<TX, TS>::of(x, rows.state, b, c, row, seq_len, channels, k);
+    const auto history =
+        History<TX, TS>::of(x, x_stride, rows.state, b, c, row, seq_len, channels, k);
     const float* taps = weight + static_cast<long long>(c) * k;
     int group = 0;
     while (group + 1 < groups.count && c >= groups.start[group + 1]) ++group;
@@ -138,7 +141,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int j = 0; j + 1 < KC; ++j) window[j] = history(t0 + j + 1);
         for (int t = t0; t < t1; ++t) {
-            window[KC - 1] = berrylm::to_f32(x[history.x_base + static_cast<long long>(t) * channels]);
+            window[KC - 1] = history.input(t);
             float sum = 0.0f;
 #pragma unroll
             for (int j = 0; j < KC; ++j) sum = __fadd_rn(sum, __fmul_rn(w[j], window[j]));
@@ -166,15 +169,15 @@ __global__ void __launch_bounds__(kThreads)
 // the old row in `rows.state` (the same pool) and x.
 template <typename TX, typename TS>
 __global__ void __launch_bounds__(kThreads)
-    state_update_kernel(const TX* __restrict__ x, StateRows<TS> rows, int seq_len, int channels,
-                        int kernel_size) {
+    state_update_kernel(const TX* __restrict__ x, long long x_stride, StateRows<TS> rows,
+                        int seq_len, int channels, int kernel_size) {
     const int c = blockIdx.x * kThreads + threadIdx.x;
     if (c >= channels) return;
     const int b = blockIdx.y;
     const long long row = state_row(rows, b);
     if (row < 0) return;
     const auto history =
-        History<TX, TS>::of(x, rows.state, b, c, row, seq_len, channels, kernel_size);
+        History<TX, TS>::of(x, x_stride, rows.state, b, c, row, seq_len, channels, kernel_size);
     write_new_state(history, rows.new_state + history.state_base, seq_len);
 }
 
@@ -183,7 +186,7 @@ __global__ void __launch_bounds__(kThreads)
 inline int chunk_count(int seq_len) { return seq_len > 0 ? (seq_len + kChunk - 1) / kChunk : 1; }
 
 template <typename TX, typename TS>
-int launch(const void* x, const float* weight, const StateRows<TS>& rows,
+int launch(const void* x, long long x_stride, const float* weight, const StateRows<TS>& rows,
            const OutputGroups& groups, int batch, int seq_len, int channels, int kernel_size,
            cudaStream_t stream) {
     const dim3 grid((channels + kThreads - 1) / kThreads, chunk_count(seq_len), batch);
@@ -191,19 +194,19 @@ int launch(const void* x, const float* weight, const StateRows<TS>& rows,
     switch (kernel_size) {
         case 2:
             causal_conv1d_kernel<TX, TS, 2><<<grid, kThreads, 0, stream>>>(
-                xp, weight, rows, groups, seq_len, channels, kernel_size);
+                xp, x_stride, weight, rows, groups, seq_len, channels, kernel_size);
             break;
         case 3:
             causal_conv1d_kernel<TX, TS, 3><<<grid, kThreads, 0, stream>>>(
-                xp, weight, rows, groups, seq_len, channels, kernel_size);
+                xp, x_stride, weight, rows, groups, seq_len, channels, kernel_size);
             break;
         case 4:
             causal_conv1d_kernel<TX, TS, 4><<<grid, kThreads, 0, stream>>>(
-                xp, weight, rows, groups, seq_len, channels, kernel_size);
+                xp, x_stride, weight, rows, groups, seq_len, channels, kernel_size);
             break;
         default:
             causal_conv1d_kernel<TX, TS, 0><<<grid, kThreads, 0, stream>>>(
-                xp, weight, rows, groups, seq_len, channels, kernel_size);
+                xp, x_stride, weight, rows, groups, seq_len, channels, kernel_size);
             break;
     }
     return berrylm::launch_status();
@@ -213,21 +216,21 @@ int launch(const void* x, const float* weight, const StateRows<TS>& rows,
 // given): one launch for a single chunk, else the convolution without the
 // state write followed by `state_update_kernel` (see the header).
 template <typename TX, typename TS>
-int launch_in_place(const void* x, const float* weight, const StateRows<TS>& rows,
-                   const OutputGroups& groups, int batch, int seq_len, int channels,
-                   int kernel_size, cudaStream_t stream) {
+int launch_in_place(const void* x, long long x_stride, const float* weight,
+                    const StateRows<TS>& rows, const OutputGroups& groups, int batch, int seq_len,
+                    int channels, int kernel_size, cudaStream_t stream) {
     if (chunk_count(seq_len) == 1) {
-        return launch<TX, TS>(x, weight, rows, groups, batch, seq_len, channels, kernel_size,
-                              stream);
+        return launch<TX, TS>(x, x_stride, weight, rows, groups, batch, seq_len, channels,
+                              kernel_size, stream);
     }
     StateRows<TS> read_only = rows;
     read_only.new_state = nullptr;
-    const int status = launch<TX, TS>(x, weight, read_only, groups, batch, seq_len, channels,
-                                      kernel_size, stream);
+    const int status = launch<TX, TS>(x, x_stride, weight, read_only, groups, batch, seq_len,
+                                      channels, kernel_size, stream);
     if (status != 0) return status;
     const dim3 grid((channels + kThreads - 1) / kThreads, batch);
-    state_update_kernel<TX, TS><<<grid, kThreads, 0, stream>>>(static_cast<const TX*>(x), rows,
-                                                              seq_len, channels, kernel_size);
+    state_update_kernel<TX, TS><<<grid, kThreads, 0, stream>>>(
+        static_cast<const TX*>(x), x_stride, rows, seq_len, channels, kernel_size);
     return berrylm::launch_status();
 }
 
@@ -257,15 +260,18 @@ using namespace berrylm::conv;
 // new one to that row of `new_state`; with `slots` null, row b (state_rows =
 // batch). `new_state` may equal `state`: a pool read and updated in place,
 // whose slots must be distinct. A slot >= state_rows makes its sequence a
-// pad row (a zero state, none written).
+// pad row (a zero state, none written). Time step t of sequence b is the row
+// of x at (b T + t) x_stride, x_stride >= channels (a view of the channels
+// of a wider projection's output is read in place).
 extern "C" int berrylm_causal_conv1d(int x_dtype, int state_dtype, const void* x,
-                                     const float* weight, const void* state, void* new_state,
-                                     const uint32_t* slots, int state_rows, void* const* outs,
+                                     long long x_stride, const float* weight, const void* state,
+                                     void* new_state, const uint32_t* slots, int state_rows,
+                                     void* const* outs,
                                      const int* widths, int num_groups, int batch, int seq_len,
                                      int channels, int kernel_size, void* stream) {
     if (batch == 0 || channels == 0 || kernel_size <= 0) return 0;
     OutputGroups groups{};
-    if (batch > 65535 || state_rows < 0 ||
+    if (batch > 65535 || state_rows < 0 || x_stride < channels ||
         !output_groups(outs, widths, num_groups, channels, groups)) {
         return static_cast<int>(cudaErrorInvalidValue);
     }
@@ -275,11 +281,11 @@ extern "C" int berrylm_causal_conv1d(int x_dtype, int state_dtype, const void* x
             const StateRows<TS> rows{static_cast<const TS*>(state), static_cast<TS*>(new_state),
                                      slots, state_rows};
             if (state == new_state) {
-                return launch_in_place<TX, TS>(x, weight, rows, groups, batch, seq_len, channels,
-                                               kernel_size, s);
+                return launch_in_place<TX, TS>(x, x_stride, weight, rows, groups, batch, seq_len,
+                                               channels, kernel_size, s);
             }
-            return launch<TX, TS>(x, weight, rows, groups, batch, seq_len, channels, kernel_size,
-                                  s);
+            return launch<TX, TS>(x, x_stride, weight, rows, groups, batch, seq_len, channels,
+                                  kernel_size, s);
         });
     });
     return 0;

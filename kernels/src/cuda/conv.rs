@@ -1,6 +1,7 @@
 //! Binding of `conv.cu`: the split causal convolution, with the carried
 //! states in and out as tensors or as rows of a conv state pool, read and
-//! updated in place.
+//! updated in place. The input is read in place when its time steps lie at a
+//! stride (the conv's columns of the KDA in-projection's output).
 
 use std::ffi::{c_int, c_void};
 
@@ -17,6 +18,7 @@ extern "C" {
         x_dtype: c_int,
         state_dtype: c_int,
         x: *const c_void,
+        x_stride: i64,
         weight: *const f32,
         state: *const c_void,
         new_state: *mut c_void,
@@ -104,6 +106,8 @@ pub(crate) fn causal_conv1d_in_pool(
 struct ConvCall {
     x_dtype: c_int,
     x: In,
+    /// Elements between consecutive time steps (rows) of `x`.
+    x_stride: i64,
     weight: In,
     groups: Vec<Out>,
     group_widths: Vec<c_int>,
@@ -131,7 +135,7 @@ impl ConvCall {
                 format!("batch size {} exceeds the CUDA kernel's 65535", dims.batch),
             ));
         }
-        let x = launch.input("x", x)?;
+        let (x, x_stride) = launch.input_rows("x", x)?;
         let weight = launch.input_as("weight", weight, DType::F32)?;
         let x_dtype = launch.dtype(x);
         let groups = widths
@@ -145,6 +149,7 @@ impl ConvCall {
         Ok(Self {
             x_dtype: dtype_code(OP, x_dtype)?,
             x,
+            x_stride: x_stride as i64,
             weight,
             groups,
             group_widths,
@@ -180,6 +185,7 @@ impl ConvCall {
             self.x_dtype,
             state_dtype,
             p.input(self.x),
+            self.x_stride,
             p.input(self.weight),
             state,
             new_state,
