@@ -528,15 +528,18 @@ inline int chunk_count(int routed) { return (routed + kChunkRows - 1) / kChunkRo
 using DecodeShape = Shape<32, 128, 128, 2, 2, 4, 2>;
 constexpr int kDecodeRoutedRows = 2048;
 
-// The grouped rows a tile holds in a call of `routed` rows.
-inline int tile_rows(int routed) {
-    return routed <= kDecodeRoutedRows ? DecodeShape::kBlockM : PromptShape::kBlockM;
+// Whether a call of `routed` rows runs in DecodeShape (else PromptShape).
+inline bool decode_sized(long long routed) { return routed <= kDecodeRoutedRows; }
+
+// ceil(R / M) + E for shape S's tiles of M rows: at least sum_e ceil(rows_e / M).
+template <typename S> int tile_bound(int routed, int experts) {
+    return (routed + S::kBlockM - 1) / S::kBlockM + experts;
 }
 
-// ceil(R / M) + E for tiles of M rows: at least sum_e ceil(rows_e / M).
+// The tile bound of the shape a call of `routed` rows runs in.
 inline int max_tile_count(int routed, int experts) {
-    const int rows = tile_rows(routed);
-    return (routed + rows - 1) / rows + experts;
+    return decode_sized(routed) ? tile_bound<DecodeShape>(routed, experts)
+                                : tile_bound<PromptShape>(routed, experts);
 }
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
@@ -582,7 +585,7 @@ int launch_shaped(const Buffers& b, int tokens, int top_k, int experts, int hidd
     int status = launch_status();
     if (status != 0) return status;
 
-    const int max_tiles = (routed + kBlockM - 1) / kBlockM + experts;
+    const int max_tiles = tile_bound<S>(routed, experts);
     const GemmParams gate_up{b.x,        b.tokens_of,  b.gate_up, b.h, b.tiles, b.tile_count,
                              hidden,     inter,        (inter + kBlockN / 2 - 1) / (kBlockN / 2)};
     status = launch_gemm<T, true, S>(gate_up, max_tiles, stream);
@@ -595,8 +598,7 @@ int launch_shaped(const Buffers& b, int tokens, int top_k, int experts, int hidd
 template <typename T>
 int launch(const Buffers& b, int tokens, int top_k, int experts, int hidden, int inter,
            cudaStream_t stream) {
-    const long long routed = static_cast<long long>(tokens) * top_k;
-    return routed <= kDecodeRoutedRows
+    return decode_sized(static_cast<long long>(tokens) * top_k)
                ? launch_shaped<T, DecodeShape>(b, tokens, top_k, experts, hidden, inter, stream)
                : launch_shaped<T, PromptShape>(b, tokens, top_k, experts, hidden, inter, stream);
 }
