@@ -66,6 +66,8 @@ fn main() {
         other => other.to_string(),
     };
     let gencode = format!("arch=compute_{arch},code=[sm_{arch},compute_{arch}]");
+    // Kernels with Hopper's warpgroup MMAs exist only for sm_90a.
+    let wgmma = format!("-DBERRYLM_WGMMA={}", u8::from(arch == "90a"));
 
     // No --use_fast_math: the kernels reproduce the CPU reference's rounding
     // (IEEE division/sqrt, accurate expf/log1pf/tanh, no flush to zero).
@@ -82,6 +84,7 @@ fn main() {
             .args(["-Xcompiler", "-fPIC"])
             .arg("-gencode")
             .arg(&gencode)
+            .arg(&wgmma)
             .arg("-I")
             .arg(source_dir));
         objects.push(object);

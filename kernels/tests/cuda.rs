@@ -2170,6 +2170,33 @@ fn moe_experts_tensor_core_tiles_match_cpu() -> Result<()> {
     )
 }
 
+/// The prompt-sized grouped GEMMs (more than 2048 routed rows: 128-row tiles,
+/// on sm_90a builds the warpgroup-MMA kernels) where tiles are partly filled
+/// and K ends inside a 64-column stage: K = 40 (H, then I = 24) over 2400
+/// routed rows, and one expert taking 2100 rows (16 full tiles and 52 rows).
+#[test]
+fn moe_experts_prompt_tiles_match_cpu() -> Result<()> {
+    let cases = [
+        MoeCase {
+            tokens: 800,
+            dims: [7, 3, 40, 24],
+            routing: Routing::Random,
+            check_every: 4,
+        },
+        MoeCase {
+            tokens: 2100,
+            dims: [8, 1, 256, 128],
+            routing: Routing::AllTo(5),
+            check_every: 8,
+        },
+    ];
+    sweep(2675, cases, &HALF_DTYPES, |rng, case, dtype| {
+        let algorithm = MoeExpertsAlgorithm::for_rows(case.tokens * case.dims[1]);
+        assert_eq!(algorithm, MoeExpertsAlgorithm::Grouped);
+        moe_case_with(rng, case, dtype, algorithm)
+    })
+}
+
 /// A prompt of 512 and one of 4096 tokens at BerryLM-OS shapes (128 experts,
 /// top-8, hidden 2048, expert width 512; about 32 and 256 rows per expert),
 /// through what `moe_experts` picks for them (the tensor-core grouped

@@ -49,7 +49,13 @@
 // holds 32 of each, so that the epilogue finds gate and up of an h element in
 // the same thread: h = round(round(silu(round(gate))) * round(up)). The down
 // projection's tile is kBlockN consecutive output columns, each rounded once.
+// Builds for sm_90a run the prompt shape's tiles with Hopper's warpgroup MMAs
+// instead (`wgmma_gemm_kernel`, below): the same tiles and rounding points,
+// and in every case compared the same outputs bit for bit (kernels/CUDA.md).
 #include "mma.cuh"
+#if BERRYLM_WGMMA
+#include "wgmma.cuh"
+#endif
 
 namespace berrylm::moe_grouped {
 
@@ -315,7 +321,7 @@ struct GemmParams {
     const uint32_t* tile_count;
     int k;
     int n_out;                  // h columns (I) or output columns (H)
-    int n_blocks;               // blocks per tile along the columns
+    int n_blocks;               // blocks per tile along the columns (set by the launcher)
 };
 
 template <typename T, bool kGated, typename S>
@@ -502,8 +508,16 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocksPerSm) gemm_kernel(cons
     }
 }
 
+// Blocks per tile along the columns of a projection in tiles of BlockN
+// weight rows (gate | up: BlockN / 2 columns of h, with their up rows).
+template <bool kGated, int BlockN> int column_blocks(int n_out) {
+    constexpr int kColumns = kGated ? BlockN / 2 : BlockN;
+    return (n_out + kColumns - 1) / kColumns;
+}
+
 template <typename T, bool kGated, typename S>
-int launch_gemm(const GemmParams& p, int max_tiles, cudaStream_t stream) {
+int launch_gemm(GemmParams p, int max_tiles, cudaStream_t stream) {
+    p.n_blocks = column_blocks<kGated, S::kBlockN>(p.n_out);
     constexpr int smem = S::template smem_bytes<T>();
     const cudaError_t status = cudaFuncSetAttribute(
         gemm_kernel<T, kGated, S>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -511,6 +525,239 @@ int launch_gemm(const GemmParams& p, int max_tiles, cudaStream_t stream) {
     const long long blocks = static_cast<long long>(max_tiles) * p.n_blocks;
     gemm_kernel<T, kGated, S><<<static_cast<unsigned>(blocks), S::kThreads, smem, stream>>>(p);
     return launch_status();
+}
+
+// ------------------------------------------------------------- Hopper GEMM
+#if BERRYLM_WGMMA
+
+// Prompts on sm_90a: the tiles of PromptShape (128 grouped rows of one expert)
+// with warpgroup MMAs. Two warpgroups, each owning 64 of the tile's rows and
+// all BlockN columns as m64n128 accumulators (gate | up: BlockN 256, the gate
+// and the up half; down: runs of 128 output columns); both operands come
+// from shared memory, where every thread's cp.async copies store a stage's
+// rows with the 128-byte swizzle (wgmma.cuh). K runs in stages of 64
+// columns, Stages buffers of them: the copies of stage kt + Stages - 2 are
+// issued while the products of stage kt run and those of kt - 1 may still be
+// pending, so a
+// stage's buffer is refilled only after every warpgroup has waited for the
+// products that read it. The epilogue is gemm_kernel's: the same rounding
+// points, each thread holding gate and up of the h elements it writes.
+template <int BlockN, int Stages, int BlocksPerSm>
+struct WgmmaShape {
+    static constexpr int kBlockM = 128;
+    static constexpr int kBlockN = BlockN;
+    static constexpr int kHalves = BlockN / 128;  // m64n128 accumulators a thread
+    static constexpr int kBlockK = 64;  // one 128-byte swizzled row of 16-bit elements
+    static constexpr int kStages = Stages;
+    static constexpr int kBlocksPerSm = BlocksPerSm;
+    static constexpr int kThreads = 256;
+    static constexpr int kChunksPerRow = kBlockK / 8;
+    static constexpr int kLoadsA = kBlockM * kChunksPerRow / kThreads;
+    static constexpr int kLoadsB = kBlockN * kChunksPerRow / kThreads;
+    static constexpr int kStageBytes = (kBlockM + kBlockN) * wgmma::kRowBytes;
+    static constexpr int kSmemBytes = kStages * kStageBytes + wgmma::kTileAlign;
+    static_assert(kBlockM == PromptShape::kBlockM, "the prompt tile table serves both");
+    static_assert(BlockN % 128 == 0 && Stages >= 3, "whole n128 products; stages two ahead");
+};
+
+// Both projections: of the shapes swept (BlockN 128 or 256, 3 to 6 stages,
+// one or two blocks an SM; kernels/CUDA.md) the fastest for each.
+using WgmmaPromptShape = WgmmaShape<256, 4, 1>;
+
+template <int H> __device__ __forceinline__ void fence_accumulators(float (&acc)[H][64]) {
+#pragma unroll
+    for (int h = 0; h < H; ++h) wgmma::fence_registers(acc[h]);
+}
+
+template <typename T, bool kGated, typename S>
+__global__ void __launch_bounds__(S::kThreads, S::kBlocksPerSm) wgmma_gemm_kernel(const GemmParams p) {
+    static_assert(!kGated || S::kHalves == 2, "gate | up: a gate and an up accumulator");
+    constexpr int kBlockN = S::kBlockN, kBlockK = S::kBlockK, kStages = S::kStages;
+    constexpr int kHalves = S::kHalves;
+    constexpr int kRowStep = S::kThreads / S::kChunksPerRow;
+    const int tile_index = blockIdx.x / p.n_blocks;
+    const int n_block = blockIdx.x % p.n_blocks;
+    if (tile_index >= static_cast<int>(*p.tile_count)) return;
+    const uint4 tile = p.tiles[tile_index];
+    const int expert = static_cast<int>(tile.x);
+    const int first = static_cast<int>(tile.y);
+    const int rows = static_cast<int>(tile.z);
+
+    extern __shared__ unsigned char smem_raw[];
+    const uint32_t smem_base =
+        (smem_address(smem_raw) + wgmma::kTileAlign - 1) & ~uint32_t(wgmma::kTileAlign - 1);
+    unsigned char* smem = smem_raw + (smem_base - smem_address(smem_raw));
+    const int warpgroup = threadIdx.x / 128;
+    const int k = p.k;
+
+    const int load_row = threadIdx.x / S::kChunksPerRow;
+    const int load_chunk = threadIdx.x % S::kChunksPerRow;
+    const int load_col = load_chunk * 8;
+    const T* a = static_cast<const T*>(p.a);
+    const T* a_src[S::kLoadsA];
+#pragma unroll
+    for (int i = 0; i < S::kLoadsA; ++i) {
+        const int row = load_row + i * kRowStep;
+        if (row < rows) {
+            const long long grouped = first + row;
+            const long long source = p.a_rows != nullptr ? p.a_rows[grouped] : grouped;
+            a_src[i] = a + source * k + load_col;
+        } else {
+            a_src[i] = nullptr;
+        }
+    }
+    const int weight_rows = kGated ? 2 * p.n_out : p.n_out;
+    const T* w = static_cast<const T*>(p.w) + static_cast<long long>(expert) * weight_rows * k;
+    const T* b_src[S::kLoadsB];
+#pragma unroll
+    for (int i = 0; i < S::kLoadsB; ++i) {
+        const int row = load_row + i * kRowStep;
+        int column;
+        int weight_row;
+        if constexpr (kGated) {
+            const int half = row / (kBlockN / 2);
+            column = n_block * (kBlockN / 2) + row % (kBlockN / 2);
+            weight_row = half * p.n_out + column;
+        } else {
+            column = n_block * kBlockN + row;
+            weight_row = column;
+        }
+        b_src[i] = column < p.n_out ? w + static_cast<long long>(weight_row) * k + load_col
+                                    : nullptr;
+    }
+
+    const int k_tiles = (k + kBlockK - 1) / kBlockK;
+    auto load_stage = [&](int stage, int k_tile) {
+        const int k0 = k_tile * kBlockK;
+        const bool k_valid = k0 + load_col < k;
+        unsigned char* dst_a = smem + stage * S::kStageBytes;
+        unsigned char* dst_b = dst_a + S::kBlockM * wgmma::kRowBytes;
+#pragma unroll
+        for (int i = 0; i < S::kLoadsA; ++i) {
+            const bool valid = k_valid && a_src[i] != nullptr;
+            cp_async_16(dst_a + wgmma::swizzled_offset(load_row + i * kRowStep, load_chunk),
+                        valid ? a_src[i] + k0 : a, valid ? 16 : 0);
+        }
+#pragma unroll
+        for (int i = 0; i < S::kLoadsB; ++i) {
+            const bool valid = k_valid && b_src[i] != nullptr;
+            cp_async_16(dst_b + wgmma::swizzled_offset(load_row + i * kRowStep, load_chunk),
+                        valid ? b_src[i] + k0 : w, valid ? 16 : 0);
+        }
+    };
+
+    // Stages load two ahead of the products (see the struct's comment).
+    constexpr int kAhead = kStages - 2;
+#pragma unroll
+    for (int s = 0; s < kAhead; ++s) {
+        if (s < k_tiles) load_stage(s, s);
+        cp_async_commit();
+    }
+    // Whether this warpgroup's 64 rows hold any of the tile's rows.
+    const bool has_rows = warpgroup * 64 < rows;
+    float acc[kHalves][64];
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) {
+#pragma unroll
+        for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
+    }
+    for (int kt = 0; kt < k_tiles; ++kt) {
+        cp_async_wait<kAhead - 1>();  // stage kt has landed (this thread's copies)
+        wgmma::fence_async_shared();
+        __syncthreads();  // everyone's copies; every product of stage kt - 2 is done
+        const int next = kt + kAhead;
+        if (next < k_tiles) load_stage(next % kStages, next);
+        cp_async_commit();
+        if (!has_rows) continue;
+        const uint32_t stage_a = smem_base + (kt % kStages) * S::kStageBytes;
+        const uint32_t rows_a = stage_a + warpgroup * 64 * wgmma::kRowBytes;
+        const uint32_t rows_b = stage_a + S::kBlockM * wgmma::kRowBytes;
+        fence_accumulators(acc);
+        wgmma::fence_operands();
+#pragma unroll
+        for (int kk = 0; kk < kBlockK / 16; ++kk) {
+            const uint64_t desc_a = wgmma::descriptor(rows_a + kk * 32);
+#pragma unroll
+            for (int h = 0; h < kHalves; ++h) {
+                const uint64_t desc_b =
+                    wgmma::descriptor(rows_b + h * 128 * wgmma::kRowBytes + kk * 32);
+                wgmma::mma_m64n128k16<T>(acc[h], desc_a, desc_b);
+            }
+        }
+        wgmma::commit_group();
+        wgmma::wait_group<1>();
+        fence_accumulators(acc);
+    }
+    wgmma::wait_group<0>();
+    fence_accumulators(acc);
+    cp_async_wait<0>();
+    if (!has_rows) return;
+
+    // Element i of a half's fragment: row 16 warp + group + 8 ((i / 2) % 2),
+    // column 8 (i / 4) + 2 quad + i % 2 of the half (wgmma.cuh).
+    const int lane = threadIdx.x % 32;
+    const int warp_row = warpgroup * 64 + (threadIdx.x / 32 % 4) * 16 + lane / 4;
+    const int quad = lane % 4;
+    T* out = static_cast<T*>(p.out);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = warp_row + 8 * r;
+        if (row >= rows) continue;
+        T* out_row = out + static_cast<long long>(first + row) * p.n_out;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const int i = 4 * j + 2 * r;
+            if constexpr (kGated) {
+                const int column = n_block * (kBlockN / 2) + 8 * j + 2 * quad;
+                if (column >= p.n_out) continue;
+                float h[2];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float gate = round_to<T>(acc[0][i + e]);
+                    const float up = round_to<T>(acc[1][i + e]);
+                    h[e] = __fmul_rn(round_to<T>(silu(gate)), up);
+                }
+                *reinterpret_cast<unsigned*>(out_row + column) = pack2<T>(h[0], h[1]);
+            } else {
+#pragma unroll
+                for (int half = 0; half < kHalves; ++half) {
+                    const int column = n_block * kBlockN + half * 128 + 8 * j + 2 * quad;
+                    if (column >= p.n_out) continue;
+                    *reinterpret_cast<unsigned*>(out_row + column) =
+                        pack2<T>(acc[half][i], acc[half][i + 1]);
+                }
+            }
+        }
+    }
+}
+
+template <typename T, bool kGated, typename S>
+int launch_wgmma_gemm(GemmParams p, int max_tiles, cudaStream_t stream) {
+    p.n_blocks = column_blocks<kGated, S::kBlockN>(p.n_out);
+    constexpr int smem = S::kSmemBytes;
+    const cudaError_t status = cudaFuncSetAttribute(
+        wgmma_gemm_kernel<T, kGated, S>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (status != cudaSuccess) return static_cast<int>(status);
+    const long long blocks = static_cast<long long>(max_tiles) * p.n_blocks;
+    wgmma_gemm_kernel<T, kGated, S><<<static_cast<unsigned>(blocks), S::kThreads, smem, stream>>>(p);
+    return launch_status();
+}
+#endif  // BERRYLM_WGMMA
+
+// The GEMM of a call in shape S: builds for sm_90a run the prompt shape's
+// tiles with warpgroup MMAs (1.5x mma.sync's rate at 4096 tokens of
+// BerryLM-OS, the same results bit for bit: kernels/CUDA.md).
+template <typename T, bool kGated, typename S>
+int launch_projection(const GemmParams& p, int max_tiles, cudaStream_t stream) {
+#if BERRYLM_WGMMA
+    if constexpr (std::is_same_v<S, PromptShape>) {
+        return launch_wgmma_gemm<T, kGated, WgmmaPromptShape>(p, max_tiles, stream);
+    } else {
+        return launch_gemm<T, kGated, S>(p, max_tiles, stream);
+    }
+#else
+    return launch_gemm<T, kGated, S>(p, max_tiles, stream);
+#endif
 }
 
 // ------------------------------------------------------------------- launcher
@@ -563,7 +810,7 @@ struct Buffers {
 template <typename T, typename S>
 int launch_shaped(const Buffers& b, int tokens, int top_k, int experts, int hidden, int inter,
                   cudaStream_t stream) {
-    constexpr int kBlockM = S::kBlockM, kBlockN = S::kBlockN;
+    constexpr int kBlockM = S::kBlockM;
     const int routed = tokens * top_k;
     const int chunks = chunk_count(routed);
     if (chunks == 1 && experts <= kOneChunkMaxExperts) {
@@ -586,13 +833,13 @@ int launch_shaped(const Buffers& b, int tokens, int top_k, int experts, int hidd
     if (status != 0) return status;
 
     const int max_tiles = tile_bound<S>(routed, experts);
-    const GemmParams gate_up{b.x,        b.tokens_of,  b.gate_up, b.h, b.tiles, b.tile_count,
-                             hidden,     inter,        (inter + kBlockN / 2 - 1) / (kBlockN / 2)};
-    status = launch_gemm<T, true, S>(gate_up, max_tiles, stream);
+    const GemmParams gate_up{b.x, b.tokens_of, b.gate_up, b.h, b.tiles, b.tile_count,
+                             hidden, inter, 0};
+    status = launch_projection<T, true, S>(gate_up, max_tiles, stream);
     if (status != 0) return status;
-    const GemmParams down{b.h,    nullptr, b.down, b.expert_out, b.tiles, b.tile_count,
-                          inter,  hidden,  (hidden + kBlockN - 1) / kBlockN};
-    return launch_gemm<T, false, S>(down, max_tiles, stream);
+    const GemmParams down{b.h, nullptr, b.down, b.expert_out, b.tiles, b.tile_count,
+                          inter, hidden, 0};
+    return launch_projection<T, false, S>(down, max_tiles, stream);
 }
 
 template <typename T>

@@ -85,8 +85,10 @@ const HALF: [DType; 2] = [DType::BF16, DType::F16];
 
 /// The tensor-core kernel at BerryLM's shape (16 query heads over 2 KV heads,
 /// D 256) and at D 64 and 128: one query with and without a prefix, prompts
-/// shorter than, equal to and not a multiple of the 64-query tile, a cached
-/// prefix, batch 2, GQA groups 1, 2 and 8.
+/// shorter than, equal to and not a multiple of the 64-query tile (D 64) and
+/// of the 128-query tile of the sm_90a kernel (D 128, 256: a tile whose
+/// second warpgroup has no queries, or a few), a cached prefix, batch 2, GQA
+/// groups 1, 2 and 8.
 #[test]
 fn causal_attention_matches_cpu_on_tensor_cores() -> Result<()> {
     let cases: [(Shape, usize); 10] = [
