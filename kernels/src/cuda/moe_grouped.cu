@@ -324,6 +324,52 @@ struct GemmParams {
     int n_blocks;               // blocks per tile along the columns (set by the launcher)
 };
 
+// The sources of this thread's 16-byte chunks of a stage, rows `load_row + i
+// row_step` of the tile at column `load_col` (advanced by the stage's K
+// offset): A rows are rows of x through `a_rows` (gate | up) or of h (down);
+// B rows are the expert's weight rows of the block's columns (down: output
+// columns n0 ..; gate | up: gate rows j0 .. then the up rows I + j0 ..).
+// Rows past the tile's rows and columns past n_out get nullptr (their chunks
+// are zero-filled). Returns the expert's weights.
+template <typename T, bool kGated, int BlockN, int LoadsA, int LoadsB, int RowStep>
+__device__ __forceinline__ const T* chunk_sources(const GemmParams& p, int expert, int first,
+                                                  int rows, int n_block, int load_row,
+                                                  int load_col, const T* (&a_src)[LoadsA],
+                                                  const T* (&b_src)[LoadsB]) {
+    const int k = p.k;
+    const T* a = static_cast<const T*>(p.a);
+#pragma unroll
+    for (int i = 0; i < LoadsA; ++i) {
+        const int row = load_row + i * RowStep;
+        if (row < rows) {
+            const long long grouped = first + row;
+            const long long source = p.a_rows != nullptr ? p.a_rows[grouped] : grouped;
+            a_src[i] = a + source * k + load_col;
+        } else {
+            a_src[i] = nullptr;
+        }
+    }
+    const int weight_rows = kGated ? 2 * p.n_out : p.n_out;
+    const T* w = static_cast<const T*>(p.w) + static_cast<long long>(expert) * weight_rows * k;
+#pragma unroll
+    for (int i = 0; i < LoadsB; ++i) {
+        const int row = load_row + i * RowStep;
+        int column;
+        int weight_row;
+        if constexpr (kGated) {
+            const int half = row / (BlockN / 2);
+            column = n_block * (BlockN / 2) + row % (BlockN / 2);
+            weight_row = half * p.n_out + column;
+        } else {
+            column = n_block * BlockN + row;
+            weight_row = column;
+        }
+        b_src[i] = column < p.n_out ? w + static_cast<long long>(weight_row) * k + load_col
+                                    : nullptr;
+    }
+    return w;
+}
+
 template <typename T, bool kGated, typename S>
 __global__ void __launch_bounds__(S::kThreads, S::kBlocksPerSm) gemm_kernel(const GemmParams p) {
     constexpr int kBlockM = S::kBlockM, kBlockN = S::kBlockN, kBlockK = S::kBlockK;
@@ -360,38 +406,9 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocksPerSm) gemm_kernel(cons
     const int load_col = (threadIdx.x % kChunksPerRow) * 8;
     const T* a = static_cast<const T*>(p.a);
     const T* a_src[kLoadsA];
-#pragma unroll
-    for (int i = 0; i < kLoadsA; ++i) {
-        const int row = load_row + i * kRowStep;
-        if (row < rows) {
-            const long long grouped = first + row;
-            const long long source = p.a_rows != nullptr ? p.a_rows[grouped] : grouped;
-            a_src[i] = a + source * k + load_col;
-        } else {
-            a_src[i] = nullptr;
-        }
-    }
-    // The expert's weight rows of this block: output columns n0 .. for the
-    // down projection; gate rows j0 .. then up rows I + j0 .. for gate | up.
-    const int weight_rows = kGated ? 2 * p.n_out : p.n_out;
-    const T* w = static_cast<const T*>(p.w) + static_cast<long long>(expert) * weight_rows * k;
     const T* b_src[kLoadsB];
-#pragma unroll
-    for (int i = 0; i < kLoadsB; ++i) {
-        const int row = load_row + i * kRowStep;
-        int column;
-        int weight_row;
-        if constexpr (kGated) {
-            const int half = row / (kBlockN / 2);
-            column = n_block * (kBlockN / 2) + row % (kBlockN / 2);
-            weight_row = half * p.n_out + column;
-        } else {
-            column = n_block * kBlockN + row;
-            weight_row = column;
-        }
-        b_src[i] = column < p.n_out ? w + static_cast<long long>(weight_row) * k + load_col
-                                    : nullptr;
-    }
+    const T* w = chunk_sources<T, kGated, kBlockN, kLoadsA, kLoadsB, kRowStep>(
+        p, expert, first, rows, n_block, load_row, load_col, a_src, b_src);
 
     const int k_tiles = (k + kBlockK - 1) / kBlockK;
     auto load_stage = [&](int stage, int k_tile) {
@@ -595,36 +612,9 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocksPerSm) wgmma_gemm_kerne
     const int load_col = load_chunk * 8;
     const T* a = static_cast<const T*>(p.a);
     const T* a_src[S::kLoadsA];
-#pragma unroll
-    for (int i = 0; i < S::kLoadsA; ++i) {
-        const int row = load_row + i * kRowStep;
-        if (row < rows) {
-            const long long grouped = first + row;
-            const long long source = p.a_rows != nullptr ? p.a_rows[grouped] : grouped;
-            a_src[i] = a + source * k + load_col;
-        } else {
-            a_src[i] = nullptr;
-        }
-    }
-    const int weight_rows = kGated ? 2 * p.n_out : p.n_out;
-    const T* w = static_cast<const T*>(p.w) + static_cast<long long>(expert) * weight_rows * k;
     const T* b_src[S::kLoadsB];
-#pragma unroll
-    for (int i = 0; i < S::kLoadsB; ++i) {
-        const int row = load_row + i * kRowStep;
-        int column;
-        int weight_row;
-        if constexpr (kGated) {
-            const int half = row / (kBlockN / 2);
-            column = n_block * (kBlockN / 2) + row % (kBlockN / 2);
-            weight_row = half * p.n_out + column;
-        } else {
-            column = n_block * kBlockN + row;
-            weight_row = column;
-        }
-        b_src[i] = column < p.n_out ? w + static_cast<long long>(weight_row) * k + load_col
-                                    : nullptr;
-    }
+    const T* w = chunk_sources<T, kGated, kBlockN, S::kLoadsA, S::kLoadsB, kRowStep>(
+        p, expert, first, rows, n_block, load_row, load_col, a_src, b_src);
 
     const int k_tiles = (k + kBlockK - 1) / kBlockK;
     auto load_stage = [&](int stage, int k_tile) {
