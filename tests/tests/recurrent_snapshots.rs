@@ -3,7 +3,8 @@
 //! exactly one slot's conv and recurrent state of every recurrent layer and a
 //! restore writes it back, both while the pools lie in the arena that
 //! `reserve_sequences` makes and after a pool has grown past it; writing one
-//! layer's pool leaves every other layer's untouched.
+//! layer's pool leaves every other layer's untouched; a new or reset slot is
+//! zeroed in every layer and no other slot is touched.
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
@@ -174,4 +175,74 @@ fn snapshots_without_a_reservation() -> Result<()> {
     let slot = cache.allocate_seq().expect("a slot");
     let contents = fill_pools(&mut cache)?;
     check_snapshot(&mut cache, &contents, slot, 5)
+}
+
+/// Slot `slot` of every pool holds zeros, and every other slot what
+/// `contents` (the pools' values before) says.
+fn check_slot_zeroed(
+    cache: &mut HybridCache,
+    contents: &[(Vec<f32>, Vec<f32>)],
+    slot: usize,
+) -> Result<()> {
+    let now = pool_contents(cache)?;
+    for (layer, (now, before)) in now.iter().zip(contents).enumerate() {
+        let kinds = [
+            ("conv", CONV_PER_SLOT, &now.0, &before.0),
+            ("recurrent", RECURRENT_PER_SLOT, &now.1, &before.1),
+        ];
+        for (kind, per_slot, now, before) in kinds {
+            for other in 0..now.len() / per_slot {
+                let expected = if other == slot {
+                    vec![0.0; per_slot]
+                } else {
+                    slot_of(before, other, per_slot)
+                };
+                assert_eq!(
+                    slot_of(now, other, per_slot),
+                    expected,
+                    "layer {layer}'s {kind} state of slot {other} after zeroing slot {slot}"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A new sequence's slot and a reset one are zeroed in every recurrent layer
+/// (in the arena, every layer's at once), their offsets back to 0, and no
+/// other slot is touched; the same after a pool outgrew the arena.
+#[test]
+fn a_slot_is_zeroed_in_every_layer_in_the_arena_and_after_one_outgrew_it() -> Result<()> {
+    let mut cache = hybrid_cache()?;
+    cache.reserve_sequences(8)?;
+    let slots: Vec<usize> = (0..8)
+        .map(|_| cache.allocate_seq().expect("a slot"))
+        .collect();
+    let contents = fill_pools(&mut cache)?;
+    cache.free_seq(slots[3]);
+    let again = cache.allocate_seq().expect("the freed slot");
+    assert_eq!(again, slots[3], "the freed slot is handed out again");
+    check_slot_zeroed(&mut cache, &contents, again)?;
+
+    let contents = fill_pools(&mut cache)?;
+    for pool in pools(&mut cache) {
+        pool.set_seqlen_offset(slots[5], 40);
+    }
+    cache.reset_seq(slots[5])?;
+    check_slot_zeroed(&mut cache, &contents, slots[5])?;
+    for pool in pools(&mut cache) {
+        assert_eq!(pool.get_seqlen_offset(slots[5]), 0);
+    }
+
+    let ninth = cache.allocate_seq().expect("a slot after growing");
+    let contents = fill_pools(&mut cache)?;
+    for pool in pools(&mut cache) {
+        pool.set_seqlen_offset(ninth, 7);
+    }
+    cache.reset_seq(ninth)?;
+    check_slot_zeroed(&mut cache, &contents, ninth)?;
+    for pool in pools(&mut cache) {
+        assert_eq!(pool.get_seqlen_offset(ninth), 0);
+    }
+    Ok(())
 }
