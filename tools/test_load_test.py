@@ -543,7 +543,26 @@ def test_soak_reports_occupancy_and_ends_on_an_idle_server():
     assert occupancy["peak"]["running"] >= 1 and occupancy["peak"]["recurrent_slots_in_use"] >= 1, occupancy
     assert figures["timeseries"][-1]["idle"] is True
     assert figures["rss_first_minute_bytes"] == figures["rss_end_bytes"] == 5000000
+    assert figures["rss_first_minute_peak_bytes"] == 5000000
     assert "recurrent slots in use: peak / end" in out and "kv blocks" not in out
+
+
+def test_soak_reports_the_first_minutes_peak_resident_memory():
+    scrapes = []
+
+    def metrics(server):
+        # 5 MB, then 9 MB on the second scrape only, then 6 MB: the peak is the second scrape's.
+        scrapes.append(len(scrapes))
+        rss = {1: 9e6}.get(len(scrapes) - 1, 5e6 if len(scrapes) == 1 else 6e6)
+        return ("mistralrs:num_requests_running 0\nmistralrs:num_requests_waiting 0\n"
+                f"mistralrs:process_resident_memory_bytes {rss}\n")
+    with FakeServer(metrics=metrics, itl_s=0.01) as server:
+        status, out, figures = run_tool(soak_args(server))
+    assert status == 0, out
+    assert len(scrapes) >= 3, scrapes
+    assert figures["rss_first_minute_peak_bytes"] == 9000000
+    assert figures["rss_end_bytes"] == 6000000
+    assert "RSS at first minute (its peak) / end" in out
 
 
 # ----------------------------------------------------------------------------- basic (the default mode)
