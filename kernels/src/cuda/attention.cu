@@ -321,14 +321,6 @@ __device__ __forceinline__ void load_swizzled(unsigned char* dst, const T* src,
     }
 }
 
-// Keeps the compiler from reusing P's registers while a product reads them.
-template <int N> __device__ __forceinline__ void fence_fragment(unsigned (&a)[N][4]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
-    }
-}
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kWgThreads, 1) wgmma_flash_kernel(const Params p) {
@@ -419,9 +411,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) wgmma_flash_kernel(const Params
         wgmma::commit_group();
         wgmma::wait_group<0>();  // this S, and P V of the tile before
         wgmma::fence_registers(s);
-        fence_fragment(a);
-#pragma unroll
-        for (int h = 0; h < kHalves; ++h) wgmma::fence_registers(o[h]);
+        wgmma::fence_registers(a);
+        wgmma::fence_registers(o);
 
         // Element i of S's fragment: row row0 + 8 ((i / 2) % 2), key n0 + 8
         // (i / 4) + 2 quad + i % 2 (wgmma.cuh).
@@ -472,9 +463,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) wgmma_flash_kernel(const Params
             a[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
             a[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
         }
-        fence_fragment(a);
-#pragma unroll
-        for (int h = 0; h < kHalves; ++h) wgmma::fence_registers(o[h]);
+        wgmma::fence_registers(a);
+        wgmma::fence_registers(o);
         wgmma::fence_operands();
         const uint32_t v_rows = base + v_offset(t);
         constexpr uint32_t kBlockBytes = kWgKeys * wgmma::kRowBytes;  // V's 64-column block
@@ -489,14 +479,12 @@ __global__ void __launch_bounds__(kWgThreads, 1) wgmma_flash_kernel(const Params
             }
         }
         wgmma::commit_group();
-        fence_fragment(a);
-#pragma unroll
-        for (int h = 0; h < kHalves; ++h) wgmma::fence_registers(o[h]);
+        wgmma::fence_registers(a);
+        wgmma::fence_registers(o);
     }
     wgmma::wait_group<0>();
-    fence_fragment(a);
-#pragma unroll
-    for (int h = 0; h < kHalves; ++h) wgmma::fence_registers(o[h]);
+    wgmma::fence_registers(a);
+    wgmma::fence_registers(o);
     cp_async_wait<0>();
     if (!has_queries) return;
 

@@ -555,10 +555,10 @@ int launch_gemm(GemmParams p, int max_tiles, cudaStream_t stream) {
 // rows with the 128-byte swizzle (wgmma.cuh). K runs in stages of 64
 // columns, Stages buffers of them: the copies of stage kt + Stages - 2 are
 // issued while the products of stage kt run and those of kt - 1 may still be
-// pending, so a
-// stage's buffer is refilled only after every warpgroup has waited for the
-// products that read it. The epilogue is gemm_kernel's: the same rounding
-// points, each thread holding gate and up of the h elements it writes.
+// pending, so a stage's buffer is refilled only after every warpgroup has
+// waited for the products that read it. The epilogue is gemm_kernel's: the
+// same rounding points, each thread holding gate and up of the h elements it
+// writes.
 template <int BlockN, int Stages, int BlocksPerSm>
 struct WgmmaShape {
     static constexpr int kBlockM = 128;
@@ -580,11 +580,6 @@ struct WgmmaShape {
 // Both projections: of the shapes swept (BlockN 128 or 256, 3 to 6 stages,
 // one or two blocks an SM; kernels/CUDA.md) the fastest for each.
 using WgmmaPromptShape = WgmmaShape<256, 4, 1>;
-
-template <int H> __device__ __forceinline__ void fence_accumulators(float (&acc)[H][64]) {
-#pragma unroll
-    for (int h = 0; h < H; ++h) wgmma::fence_registers(acc[h]);
-}
 
 template <typename T, bool kGated, typename S>
 __global__ void __launch_bounds__(S::kThreads, S::kBlocksPerSm) wgmma_gemm_kernel(const GemmParams p) {
@@ -662,7 +657,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocksPerSm) wgmma_gemm_kerne
         const uint32_t stage_a = smem_base + (kt % kStages) * S::kStageBytes;
         const uint32_t rows_a = stage_a + warpgroup * 64 * wgmma::kRowBytes;
         const uint32_t rows_b = stage_a + S::kBlockM * wgmma::kRowBytes;
-        fence_accumulators(acc);
+        wgmma::fence_registers(acc);
         wgmma::fence_operands();
 #pragma unroll
         for (int kk = 0; kk < kBlockK / 16; ++kk) {
@@ -676,10 +671,10 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocksPerSm) wgmma_gemm_kerne
         }
         wgmma::commit_group();
         wgmma::wait_group<1>();
-        fence_accumulators(acc);
+        wgmma::fence_registers(acc);
     }
     wgmma::wait_group<0>();
-    fence_accumulators(acc);
+    wgmma::fence_registers(acc);
     cp_async_wait<0>();
     if (!has_rows) return;
 

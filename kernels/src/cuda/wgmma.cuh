@@ -78,13 +78,20 @@ __device__ __forceinline__ void fence_async_shared() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// Keeps the compiler from moving reads or writes of an accumulator register
-// across a pending product (the hardware writes it asynchronously).
+// Keeps the compiler from moving reads or writes of a register across a
+// pending product: an accumulator (the hardware writes it asynchronously) or
+// an A fragment in registers (read asynchronously, so not to be reused).
 __device__ __forceinline__ void fence_register(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+__device__ __forceinline__ void fence_register(unsigned& r) { asm volatile("" : "+r"(r)::"memory"); }
 
-template <int N> __device__ __forceinline__ void fence_registers(float (&d)[N]) {
+template <typename R, int N> __device__ __forceinline__ void fence_registers(R (&d)[N]) {
 #pragma unroll
     for (int i = 0; i < N; ++i) fence_register(d[i]);
+}
+
+template <typename R, int M, int N> __device__ __forceinline__ void fence_registers(R (&d)[M][N]) {
+#pragma unroll
+    for (int i = 0; i < M; ++i) fence_registers(d[i]);
 }
 
 #define BERRYLM_WGMMA_D8(i)                                                                   \
