@@ -200,7 +200,8 @@ struct Churn {
 fn churn(extra_args: &[&str], mix: &[Client]) -> Result<Churn> {
     let mut args = vec!["--dtype", "f32"];
     args.extend_from_slice(extra_args);
-    let mut server = Server::start(&fixtures_dir().join("trained-tiny/model"), &args)?;
+    let mut server =
+        Server::start_measuring_memory(&fixtures_dir().join("trained-tiny/model"), &args)?;
 
     // The warm-up takes the server to its high-water marks: the host grows the
     // recurrent pool by doubling and never shrinks it (nor does the allocator
@@ -277,12 +278,17 @@ fn assert_every_slot_was_freed(churn: &Churn) {
     }
 }
 
+/// Resident memory after the churn at most 5 % above where the warm-up left
+/// it. With the server's large blocks mapped (`Server::start_measuring_memory`)
+/// the twelve churns of three runs of this file's tests on two cores grew by
+/// 0.1 to 2.0 %; with glibc's default thresholds twelve moved by -8.3 to
+/// +6.9 %, and one in CI by +11.1 %.
 fn assert_memory_returned(churn: &Churn) {
-    let limit = churn.warm_kib + churn.warm_kib / 10;
+    let limit = churn.warm_kib + churn.warm_kib / 20;
     assert!(
         churn.after_kib <= limit,
         "resident memory grew from {} KiB after the warm-up to {} KiB after {REQUESTS} requests \
-         (more than 10%)",
+         (more than 5%)",
         churn.warm_kib,
         churn.after_kib
     );
