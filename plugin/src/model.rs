@@ -247,7 +247,13 @@ impl BerryLm {
             });
         }
         let norm = OffsetRmsNorm::load(&model, "norm", cfg.hidden_size, cfg.rms_norm_eps)?;
-        let rope = PartialRotaryEmbedding::new(cfg.rope.theta, cfg.rotary_dim());
+        let rope = PartialRotaryEmbedding::new(
+            cfg.rope.theta,
+            cfg.rotary_dim(),
+            cfg.max_position_embeddings,
+            embed_tokens.dtype(),
+            &device,
+        )?;
         Ok(BerryLm {
             cfg,
             embed_tokens,

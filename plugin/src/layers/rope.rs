@@ -7,50 +7,114 @@
 //! the q/k norms (`OffsetRmsNorm::forward_rope`).
 
 use candle_core::{DType, Device, Result, Tensor};
+use rayon::prelude::*;
 
 #[derive(Debug, Clone)]
 pub struct PartialRotaryEmbedding {
     /// `theta^(-2j/rotary_dim)` for j in 0..rotary_dim/2, f32.
     inv_freq: Vec<f32>,
-    rotary_dim: usize,
+    /// cos and sin of every position below the model's
+    /// `max_position_embeddings`, `[2, positions, rotary_dim]` on the model's
+    /// device and in its dtype: a forward gathers its rows instead of
+    /// computing them on the host (two million angles for a 16384-token
+    /// prompt) and uploading them.
+    tables: Tensor,
 }
 
 impl PartialRotaryEmbedding {
-    pub fn new(theta: f64, base_dim: usize) -> PartialRotaryEmbedding {
+    /// The embedding for `theta` and `base_dim`, its tables computed for
+    /// positions `0..positions` in `dtype` on `device`.
+    pub fn new(
+        theta: f64,
+        base_dim: usize,
+        positions: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<PartialRotaryEmbedding> {
         let inv_freq: Vec<f32> = (0..base_dim.div_ceil(2))
             .map(|j| {
                 let exponent = (2 * j) as f32 / base_dim as f32;
                 1.0 / (theta as f32).powf(exponent)
             })
             .collect();
-        PartialRotaryEmbedding {
-            rotary_dim: 2 * inv_freq.len(),
-            inv_freq,
-        }
+        let all: Vec<usize> = (0..positions).collect();
+        let tables = host_tables(&inv_freq, &all, dtype, device)?;
+        Ok(PartialRotaryEmbedding { inv_freq, tables })
     }
 
     /// cos and sin `[T, rotary_dim]` for the given absolute positions, in `dtype`.
     ///
-    /// The angles `position * inv_freq` and their cos and sin are computed on
-    /// the host in f32 (what candle's CPU `cos`/`sin` compute), and both tables
-    /// reach the device in one upload and one dtype conversion.
+    /// The angles `position * inv_freq` and their cos and sin are those candle's
+    /// CPU `cos`/`sin` compute in f32, rounded once to `dtype`: rows of the
+    /// tables, or computed on the host and uploaded for positions past them.
     pub fn cos_sin(
         &self,
         positions: &[usize],
         dtype: DType,
         device: &Device,
     ) -> Result<(Tensor, Tensor)> {
-        let mut values = Vec::with_capacity(2 * positions.len() * self.rotary_dim);
-        for table in [f32::cos, f32::sin] {
-            for &position in positions {
-                // Each frequency serves channel j and its partner j + half.
-                for _ in 0..2 {
-                    values.extend(self.inv_freq.iter().map(|f| table(position as f32 * f)));
+        let table_positions = self.tables.dim(1)?;
+        let in_tables = positions.iter().all(|&p| p < table_positions);
+        let tables = if in_tables && dtype == self.tables.dtype() {
+            let rows: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
+            let rows = Tensor::from_vec(rows, positions.len(), device)?;
+            self.tables.index_select(&rows, 1)?
+        } else {
+            host_tables(&self.inv_freq, positions, dtype, device)?
+        };
+        Ok((tables.get(0)?, tables.get(1)?))
+    }
+}
+
+/// `[2, positions, rotary_dim]`: cos then sin of `position * inv_freq`, each
+/// frequency serving channel j and its partner j + rotary_dim/2; computed in
+/// f32 on the host and converted to `dtype` on `device`.
+fn host_tables(
+    inv_freq: &[f32],
+    positions: &[usize],
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor> {
+    let rotary_dim = 2 * inv_freq.len();
+    let mut values = vec![0f32; 2 * positions.len() * rotary_dim];
+    let (cos, sin) = values.split_at_mut(positions.len() * rotary_dim);
+    for (out, function) in [(cos, f32::cos as fn(f32) -> f32), (sin, f32::sin)] {
+        out.par_chunks_mut(rotary_dim)
+            .zip(positions.par_iter())
+            .for_each(|(row, &position)| {
+                let (first, second) = row.split_at_mut(inv_freq.len());
+                for ((a, b), f) in first.iter_mut().zip(second.iter_mut()).zip(inv_freq) {
+                    *a = function(position as f32 * f);
+                    *b = *a;
+                }
+            });
+    }
+    Tensor::from_vec(values, (2, positions.len(), rotary_dim), device)?.to_dtype(dtype)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rows gathered from the tables and rows computed past them are both
+    /// std's f32 cos/sin of `position * inv_freq[j]`, with transformers'
+    /// `inv_freq = 1 / theta^(2j / base_dim)`, each frequency on channel j and
+    /// j + rotary_dim/2.
+    #[test]
+    fn rows_inside_and_past_the_tables_are_the_angles_cos_and_sin() {
+        let rope = PartialRotaryEmbedding::new(10_000.0, 8, 6, DType::F32, &Device::Cpu).unwrap();
+        let positions = [5, 0, 7, 2];
+        let (cos, sin) = rope.cos_sin(&positions, DType::F32, &Device::Cpu).unwrap();
+        let (cos, sin) = (cos.to_vec2::<f32>().unwrap(), sin.to_vec2::<f32>().unwrap());
+        for (row, &position) in positions.iter().enumerate() {
+            for j in 0..4 {
+                let inv_freq = 1.0 / 10_000f32.powf(2.0 * j as f32 / 8.0);
+                let angle = position as f32 * inv_freq;
+                for channel in [j, j + 4] {
+                    assert_eq!(cos[row][channel], angle.cos(), "cos {position} {channel}");
+                    assert_eq!(sin[row][channel], angle.sin(), "sin {position} {channel}");
                 }
             }
         }
-        let tables = Tensor::from_vec(values, (2, positions.len(), self.rotary_dim), device)?
-            .to_dtype(dtype)?;
-        Ok((tables.get(0)?, tables.get(1)?))
     }
 }
