@@ -9,12 +9,18 @@
 use candle_core::{DType, Device, Result, Tensor};
 use rayon::prelude::*;
 
+/// The most positions the tables hold (256 MiB in bf16 at a rotary width of
+/// 64), so that a configuration's `max_position_embeddings` cannot make them
+/// unbounded; later positions are computed per forward.
+pub const MAX_TABLE_POSITIONS: usize = 1 << 20;
+
 #[derive(Debug, Clone)]
 pub struct PartialRotaryEmbedding {
     /// `theta^(-2j/rotary_dim)` for j in 0..rotary_dim/2, f32.
     inv_freq: Vec<f32>,
     /// cos and sin of every position below the model's
-    /// `max_position_embeddings`, `[2, positions, rotary_dim]` on the model's
+    /// `max_position_embeddings` (at most [`MAX_TABLE_POSITIONS`]),
+    /// `[2, positions, rotary_dim]` on the model's
     /// device and in its dtype: a forward gathers its rows instead of
     /// computing them on the host (two million angles for a 16384-token
     /// prompt) and uploading them.
@@ -23,7 +29,8 @@ pub struct PartialRotaryEmbedding {
 
 impl PartialRotaryEmbedding {
     /// The embedding for `theta` and `base_dim`, its tables computed for
-    /// positions `0..positions` in `dtype` on `device`.
+    /// positions `0..positions` (at most [`MAX_TABLE_POSITIONS`]) in `dtype`
+    /// on `device`.
     pub fn new(
         theta: f64,
         base_dim: usize,
@@ -37,7 +44,7 @@ impl PartialRotaryEmbedding {
                 1.0 / (theta as f32).powf(exponent)
             })
             .collect();
-        let all: Vec<usize> = (0..positions).collect();
+        let all: Vec<usize> = (0..positions.min(MAX_TABLE_POSITIONS)).collect();
         let tables = host_tables(&inv_freq, &all, dtype, device)?;
         Ok(PartialRotaryEmbedding { inv_freq, tables })
     }
