@@ -337,7 +337,8 @@ pub fn kernel_times(
     })?);
 
     let rows = tokens * hv;
-    let out = normal(&[rows, dv], 1.0, dtype)?;
+    // The recurrence's f32 output, as the model passes it.
+    let out = normal(&[rows, dv], 1.0, DType::F32)?;
     let z = normal(&[rows, dv], 1.0, dtype)?;
     let norm_weight = uniform(&[dv], 0.9, 1.1, dtype)?;
     times.push(time_calls(device, budget_s, || {
@@ -346,6 +347,7 @@ pub fn kernel_times(
             &z,
             &norm_weight,
             1e-6,
+            dtype,
         )?);
         Ok(())
     })?);

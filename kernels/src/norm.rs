@@ -16,19 +16,28 @@ const OFFSET_OP: &str = "offset_rms_norm";
 /// `silu(z)`, rounding like the PyTorch reference:
 ///
 /// ```text
+/// x  = round(x)                              (the input in `dtype`)
 /// n  = round(x / sqrt(mean(x^2) + eps))      (in f32)
 /// wn = round(weight * n)
 /// y  = round(wn * silu(z))                   (z in f32)
 /// ```
 ///
-/// where `round` rounds to the dtype of `x`.
+/// where `round` rounds to `dtype`, the activations' dtype. The first
+/// rounding is the reference's cast of the KDA recurrence's f32 output, done
+/// here as the rows are read (nothing when `x` is already in `dtype`).
 ///
 /// * `x`, `z`: `[N, D]` (for the KDA output norm, `D = dv`: one row per head).
 /// * `weight`: `[D]`.
 ///
-/// Returns `[N, D]` in the dtype of `x`.
-pub fn gated_rms_norm(x: &Tensor, z: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
-    let args = GatedRmsNormArgs::validate(x, z, weight, eps)?;
+/// Returns `[N, D]` in `dtype`.
+pub fn gated_rms_norm(
+    x: &Tensor,
+    z: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+    dtype: DType,
+) -> Result<Tensor> {
+    let args = GatedRmsNormArgs::validate(x, z, weight, eps, dtype)?;
     on_device!(OP, x.device(), args.cpu(), args.cuda())
 }
 
@@ -39,13 +48,21 @@ pub(crate) struct GatedRmsNormArgs<'a> {
     pub z: &'a Tensor,
     pub weight: &'a Tensor,
     pub eps: f64,
+    pub dtype: DType,
     pub rows: usize,
     pub width: usize,
 }
 
 impl<'a> GatedRmsNormArgs<'a> {
     /// Checks the arguments of a [`gated_rms_norm`] call and reads its sizes.
-    fn validate(x: &'a Tensor, z: &'a Tensor, weight: &'a Tensor, eps: f64) -> Result<Self> {
+    fn validate(
+        x: &'a Tensor,
+        z: &'a Tensor,
+        weight: &'a Tensor,
+        eps: f64,
+        dtype: DType,
+    ) -> Result<Self> {
+        expect_float_dtype(OP, "dtype", dtype)?;
         let [rows, width] = float_dims::<2>(OP, "x", x)?;
         let z_dims = float_dims::<2>(OP, "z", z)?;
         let [weight_len] = float_dims::<1>(OP, "weight", weight)?;
@@ -58,6 +75,7 @@ impl<'a> GatedRmsNormArgs<'a> {
             z,
             weight,
             eps,
+            dtype,
             rows,
             width,
         })
@@ -66,8 +84,8 @@ impl<'a> GatedRmsNormArgs<'a> {
     /// The CPU reference.
     fn cpu(&self) -> Result<Tensor> {
         let (rows, width) = (self.rows, self.width);
-        let dtype = self.x.dtype();
-        let x = to_f32_vec(self.x)?;
+        let dtype = self.dtype;
+        let x = round_to_dtype(to_f32_vec(self.x)?, dtype)?;
         let z = to_f32_vec(self.z)?;
         let weight = to_f32_vec(self.weight)?;
         let eps = self.eps as f32;

@@ -1157,17 +1157,25 @@ fn attn_res_mixed_dtypes_and_limits() -> Result<()> {
 
 // ---------------------------------------------------------- gated_rms_norm
 
-fn norm_case(seed: u64, rows: usize, width: usize, x_dtype: DType, z_dtype: DType) -> Result<()> {
+/// `gated_rms_norm` into `dtype` of `x` and `z` of their own dtypes (each
+/// `dtype` or f32).
+fn norm_case(
+    seed: u64,
+    rows: usize,
+    width: usize,
+    [x_dtype, z_dtype, dtype]: [DType; 3],
+) -> Result<()> {
     let mut rng = Rng::new(seed);
     let x = random(&mut rng, &[rows, width], -3.0, 3.0, x_dtype)?;
     let z = random(&mut rng, &[rows, width], -4.0, 4.0, z_dtype)?;
-    let weight = random(&mut rng, &[width], 0.5, 1.5, x_dtype)?;
-    let what = format!("gated_rms_norm rows={rows} D={width} x={x_dtype:?} z={z_dtype:?}");
+    let weight = random(&mut rng, &[width], 0.5, 1.5, dtype)?;
+    let what =
+        format!("gated_rms_norm rows={rows} D={width} x={x_dtype:?} z={z_dtype:?} {dtype:?}");
     compare_on_both(
         &what,
         [&x, &z, &weight],
-        output_tol(x_dtype),
-        |[x, z, weight]| gated_rms_norm(x, z, weight, 1e-6),
+        output_tol(dtype),
+        |[x, z, weight]| gated_rms_norm(x, z, weight, 1e-6, dtype),
     )?;
     Ok(())
 }
@@ -1175,9 +1183,12 @@ fn norm_case(seed: u64, rows: usize, width: usize, x_dtype: DType, z_dtype: DTyp
 #[test]
 fn norm_matches_cpu_at_model_shapes() -> Result<()> {
     sweep_seeds(1200, [1, 8, 64, 200], &ALL_DTYPES, |seed, tokens, dtype| {
-        norm_case(seed, tokens * HV, DV, dtype, dtype)
+        norm_case(seed, tokens * HV, DV, [dtype; 3])
     })?;
-    norm_case(1250, 64 * HV, DV, DType::BF16, DType::F32)?;
+    norm_case(1250, 64 * HV, DV, [DType::BF16, DType::F32, DType::BF16])?;
+    // The KDA layer's call: the recurrence's f32 output, rounded as it is read.
+    norm_case(1260, 64 * HV, DV, [DType::F32, DType::BF16, DType::BF16])?;
+    norm_case(1270, HV, DV, [DType::F32, DType::F32, DType::F16])?;
     Ok(())
 }
 
@@ -1185,7 +1196,7 @@ fn norm_matches_cpu_at_model_shapes() -> Result<()> {
 fn norm_matches_cpu_at_odd_shapes_and_layouts() -> Result<()> {
     let widths = [1, 24, 1000, HIDDEN];
     sweep_seeds(1300, widths, &F32_BF16, |seed, width, dtype| {
-        norm_case(seed, 9, width, dtype, dtype)
+        norm_case(seed, 9, width, [dtype; 3])
     })?;
     // Views: a row range (non-zero start offset) and a column range
     // (non-contiguous).
@@ -1196,21 +1207,28 @@ fn norm_matches_cpu_at_odd_shapes_and_layouts() -> Result<()> {
     let weight = random(&mut rng, &[24], 0.5, 1.5, DType::BF16)?;
     let x = big_x.narrow(0, 3, 5)?.narrow(1, 24, 24)?;
     let z = big_z.narrow(0, 2, 5)?.narrow(1, 0, 24)?;
-    let cpu = gated_rms_norm(&x, &z, &weight, 1e-5)?;
+    let cpu = gated_rms_norm(&x, &z, &weight, 1e-5, DType::BF16)?;
     let (gx, gz) = (to_gpu(&big_x, &dev)?, to_gpu(&big_z, &dev)?);
     let cuda = gated_rms_norm(
         &gx.narrow(0, 3, 5)?.narrow(1, 24, 24)?,
         &gz.narrow(0, 2, 5)?.narrow(1, 0, 24)?,
         &to_gpu(&weight, &dev)?,
         1e-5,
+        DType::BF16,
     )?;
     compare("gated_rms_norm views", &cuda, &cpu, output_tol(DType::BF16))?;
     // A contiguous view with a non-zero start offset.
     let rows = to_gpu(&big_x, &dev)?.narrow(0, 4, 6)?;
     let zs = to_gpu(&big_z, &dev)?.narrow(0, 1, 6)?;
     let w48 = random(&mut rng, &[48], 0.5, 1.5, DType::F32)?;
-    let cpu = gated_rms_norm(&big_x.narrow(0, 4, 6)?, &big_z.narrow(0, 1, 6)?, &w48, 1e-5)?;
-    let cuda = gated_rms_norm(&rows, &zs, &to_gpu(&w48, &dev)?, 1e-5)?;
+    let cpu = gated_rms_norm(
+        &big_x.narrow(0, 4, 6)?,
+        &big_z.narrow(0, 1, 6)?,
+        &w48,
+        1e-5,
+        DType::BF16,
+    )?;
+    let cuda = gated_rms_norm(&rows, &zs, &to_gpu(&w48, &dev)?, 1e-5, DType::BF16)?;
     compare(
         "gated_rms_norm offset view",
         &cuda,
@@ -1613,8 +1631,14 @@ fn kda_layer_pipeline_matches_cpu() -> Result<()> {
             .reshape((b, t, hv, dv))?;
         let state = Tensor::zeros((b, hv, dk, dv), DType::F32, device)?;
         let (o, _) = kda_recurrence(&q, &k, &v, &g, &beta.to_device(device)?, &state)?;
-        let o = o.to_dtype(DType::BF16)?.reshape((b * t * hv, dv))?;
-        gated_rms_norm(&o, &z.to_device(device)?, &norm_w.to_device(device)?, 1e-6)
+        let o = o.reshape((b * t * hv, dv))?;
+        gated_rms_norm(
+            &o,
+            &z.to_device(device)?,
+            &norm_w.to_device(device)?,
+            1e-6,
+            DType::BF16,
+        )
     };
     let cpu = run(&Device::Cpu)?;
     let cuda = run(&dev)?;

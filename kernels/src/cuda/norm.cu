@@ -1,6 +1,7 @@
 // The RMSNorms of spec 3.1.
 //
 // Gated RMSNorm, norm before gate, SiLU (BerryLMRMSNormGated):
+//   x  = round_x(x)                             (x read as f32 or in the dtype)
 //   n  = round_x(x / sqrt(mean(x^2) + eps))     (f32)
 //   wn = round_x(weight * n)
 //   y  = round_x(wn * silu(z))                  (z in f32)
@@ -24,27 +25,29 @@ namespace berrylm::norm {
 
 constexpr int kWarpsPerBlock = 8;
 
-template <typename TX, typename TZ>
+// TX: the output dtype; TIn: x's (TX or f32); TZ: z's (TX or f32).
+template <typename TX, typename TIn, typename TZ>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
-    gated_rms_norm_kernel(const TX* __restrict__ x, const TZ* __restrict__ z,
+    gated_rms_norm_kernel(const TIn* __restrict__ x, const TZ* __restrict__ z,
                           const float* __restrict__ weight, TX* __restrict__ out, long long rows,
                           int width, float eps) {
     const int lane = threadIdx.x & 31;
     const long long row = static_cast<long long>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
     if (row >= rows) return;
-    const TX* xr = x + row * width;
+    const TIn* xr = x + row * width;
     const TZ* zr = z + row * width;
     TX* yr = out + row * width;
+    auto value = [&](int i) { return berrylm::round_to<TX>(berrylm::to_f32(xr[i])); };
     float sum_sq = 0.0f;
     for (int i = lane; i < width; i += 32) {
-        const float v = berrylm::to_f32(xr[i]);
+        const float v = value(i);
         sum_sq += v * v;
     }
     sum_sq = berrylm::warp_sum(sum_sq);
     const float mean_sq = __fdiv_rn(sum_sq, static_cast<float>(width));
     const float inv_rms = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean_sq, eps)));
     for (int i = lane; i < width; i += 32) {
-        const float n = berrylm::round_to<TX>(__fmul_rn(berrylm::to_f32(xr[i]), inv_rms));
+        const float n = berrylm::round_to<TX>(__fmul_rn(value(i), inv_rms));
         const float wn = berrylm::round_to<TX>(__fmul_rn(weight[i], n));
         yr[i] = berrylm::from_f32<TX>(__fmul_rn(wn, berrylm::silu(berrylm::to_f32(zr[i]))));
     }
@@ -76,32 +79,42 @@ __global__ void __launch_bounds__(berrylm::norm_rows::kRowThreads)
     });
 }
 
+template <typename TX, typename TIn, typename TZ>
+void launch_gated(const void* x, const void* z, const float* weight, void* out, long long rows,
+                  int width, float eps, unsigned int blocks, cudaStream_t stream) {
+    gated_rms_norm_kernel<TX, TIn, TZ><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(
+        static_cast<const TIn*>(x), static_cast<const TZ*>(z), weight, static_cast<TX*>(out),
+        rows, width, eps);
+}
+
 }  // namespace berrylm::norm
 
 using namespace berrylm::norm;
 
-// `z_dtype` must equal `x_dtype` or be f32.
-extern "C" int berrylm_gated_rms_norm(int x_dtype, int z_dtype, const void* x, const void* z,
-                                      const float* weight, void* out, long long rows, int width,
-                                      float eps, void* stream) {
+// `x_dtype` and `z_dtype` must each equal `out_dtype` or be f32.
+extern "C" int berrylm_gated_rms_norm(int out_dtype, int x_dtype, int z_dtype, const void* x,
+                                      const void* z, const float* weight, void* out,
+                                      long long rows, int width, float eps, void* stream) {
     if (rows == 0 || width == 0) return 0;
-    if (z_dtype != x_dtype && z_dtype != berrylm::kF32) {
-        return static_cast<int>(cudaErrorInvalidValue);
+    for (const int dtype : {x_dtype, z_dtype}) {
+        if (dtype != out_dtype && dtype != berrylm::kF32) {
+            return static_cast<int>(cudaErrorInvalidValue);
+        }
     }
     const long long blocks = (rows + kWarpsPerBlock - 1) / kWarpsPerBlock;
     if (blocks > 0x7fffffffll) return static_cast<int>(cudaErrorInvalidValue);
+    const unsigned int grid = static_cast<unsigned int>(blocks);
     cudaStream_t s = static_cast<cudaStream_t>(stream);
-    BERRYLM_DISPATCH_DTYPE(x_dtype, TX, {
-        if (z_dtype == x_dtype) {
-            gated_rms_norm_kernel<TX, TX><<<static_cast<unsigned int>(blocks), kWarpsPerBlock * 32,
-                                            0, s>>>(static_cast<const TX*>(x),
-                                                    static_cast<const TX*>(z), weight,
-                                                    static_cast<TX*>(out), rows, width, eps);
+    const bool x_wide = x_dtype != out_dtype, z_wide = z_dtype != out_dtype;
+    BERRYLM_DISPATCH_DTYPE(out_dtype, TX, {
+        if (x_wide && z_wide) {
+            launch_gated<TX, float, float>(x, z, weight, out, rows, width, eps, grid, s);
+        } else if (x_wide) {
+            launch_gated<TX, float, TX>(x, z, weight, out, rows, width, eps, grid, s);
+        } else if (z_wide) {
+            launch_gated<TX, TX, float>(x, z, weight, out, rows, width, eps, grid, s);
         } else {
-            gated_rms_norm_kernel<TX, float><<<static_cast<unsigned int>(blocks),
-                                               kWarpsPerBlock * 32, 0, s>>>(
-                static_cast<const TX*>(x), static_cast<const float*>(z), weight,
-                static_cast<TX*>(out), rows, width, eps);
+            launch_gated<TX, TX, TX>(x, z, weight, out, rows, width, eps, grid, s);
         }
     });
     return berrylm::launch_status();

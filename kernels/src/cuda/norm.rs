@@ -11,6 +11,7 @@ use crate::Result;
 
 extern "C" {
     fn berrylm_gated_rms_norm(
+        out_dtype: c_int,
         x_dtype: c_int,
         z_dtype: c_int,
         x: *const c_void,
@@ -44,20 +45,24 @@ impl GatedRmsNormArgs<'_> {
         const OP: &str = "gated_rms_norm";
         let (rows, width) = (self.rows, self.width);
         let mut launch = Launch::new(OP, self.x)?;
-        let x = launch.input("x", self.x)?;
-        let x_dtype = launch.dtype(x);
-        // z is read in its own dtype when it matches x, else widened to f32.
-        let z_dtype = if self.z.dtype() == x_dtype {
-            x_dtype
-        } else {
-            DType::F32
+        let out_dtype = self.dtype;
+        // x and z are read in the output dtype when they have it, else as f32
+        // (x then rounded to the output dtype as it is read).
+        let read_dtype = |tensor: &Tensor| {
+            if tensor.dtype() == out_dtype {
+                out_dtype
+            } else {
+                DType::F32
+            }
         };
-        let z = launch.input_as("z", self.z, z_dtype)?;
+        let x = launch.input_as("x", self.x, read_dtype(self.x))?;
+        let z = launch.input_as("z", self.z, read_dtype(self.z))?;
+        let (x_dtype, z_dtype) = (launch.dtype(x), launch.dtype(z));
         let weight = launch.input_as("weight", self.weight, DType::F32)?;
-        let out = launch.output(&[rows, width], x_dtype)?;
+        let out = launch.output(&[rows, width], out_dtype)?;
         let outputs = run_kernel!(launch => berrylm_gated_rms_norm(
-            dtype(x_dtype), dtype(z_dtype), input(x), input(z), input(weight), output(out),
-            rows as i64, c_size(OP, "x", width)?, self.eps as f32
+            dtype(out_dtype), dtype(x_dtype), dtype(z_dtype), input(x), input(z), input(weight),
+            output(out), rows as i64, c_size(OP, "x", width)?, self.eps as f32
         ))?;
         Ok(outputs.tensor(out))
     }

@@ -190,9 +190,18 @@ fn attn_res_mix_rejects_bad_arguments() {
 fn gated_rms_norm_rejects_bad_arguments() {
     let x = zeros(&[3, 8]);
     for (result, arg) in [
-        (gated_rms_norm(&x, &zeros(&[3, 7]), &zeros(&[8]), 1e-6), "z"),
-        (gated_rms_norm(&x, &x, &zeros(&[7]), 1e-6), "weight"),
-        (gated_rms_norm(&zeros(&[8]), &x, &zeros(&[8]), 1e-6), "x"),
+        (
+            gated_rms_norm(&x, &zeros(&[3, 7]), &zeros(&[8]), 1e-6, DType::F32),
+            "z",
+        ),
+        (
+            gated_rms_norm(&x, &x, &zeros(&[7]), 1e-6, DType::F32),
+            "weight",
+        ),
+        (
+            gated_rms_norm(&zeros(&[8]), &x, &zeros(&[8]), 1e-6, DType::F32),
+            "x",
+        ),
     ] {
         assert_rejects(result, "gated_rms_norm", arg);
     }

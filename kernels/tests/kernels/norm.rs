@@ -46,7 +46,7 @@ fn reference(x: &Tensor, z: &Tensor, weight: &Tensor) -> Result<Vec<f64>> {
 /// ([`assert_close`] with `atol`, `rtol`).
 fn reference_check(inputs: (Tensor, Tensor, Tensor), atol: f64, rtol: f64) -> Result<Tensor> {
     let (x, z, weight) = inputs;
-    let y = gated_rms_norm(&x, &z, &weight, EPS)?;
+    let y = gated_rms_norm(&x, &z, &weight, EPS, x.dtype())?;
     assert_close(&f32_values(&y)?, &reference(&x, &z, &weight)?, atol, rtol);
     Ok(y)
 }
@@ -68,6 +68,21 @@ fn half_precision_is_within_tolerance_of_f64_reference() -> Result<()> {
     Ok(())
 }
 
+/// An f32 `x` is rounded to the output dtype before the norm: the same
+/// result as candle's conversion of it first.
+#[test]
+fn an_f32_input_is_rounded_to_the_dtype_first() -> Result<()> {
+    for dtype in [DType::BF16, DType::F16] {
+        let (x, z, weight) = inputs_in(4, DType::F32)?;
+        let (z, weight) = (z.to_dtype(dtype)?, weight.to_dtype(dtype)?);
+        let expected = gated_rms_norm(&x.to_dtype(dtype)?, &z, &weight, EPS, dtype)?;
+        let y = gated_rms_norm(&x, &z, &weight, EPS, dtype)?;
+        assert_eq!(y.dtype(), dtype);
+        assert_identical(&y, &expected)?;
+    }
+    Ok(())
+}
+
 /// The PyTorch chain, op by op with candle tensors:
 /// `n = (x_f32 * rsqrt(mean(x_f32^2) + eps)).to(dtype)`, `wn = w * n` in
 /// `dtype`, `y = (wn_f32 * silu(z_f32)).to(dtype)`.
@@ -83,7 +98,7 @@ fn half_precision_rounds_like_the_reference_chain() -> Result<()> {
         let scaled = normalized.broadcast_mul(&weight)?;
         let gate = z.to_dtype(DType::F32)?.silu()?;
         let expected = scaled.to_dtype(DType::F32)?.mul(&gate)?.to_dtype(dtype)?;
-        assert_identical(&gated_rms_norm(&x, &z, &weight, EPS)?, &expected)?;
+        assert_identical(&gated_rms_norm(&x, &z, &weight, EPS, dtype)?, &expected)?;
     }
     Ok(())
 }

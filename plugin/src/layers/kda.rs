@@ -215,11 +215,14 @@ impl Kda {
         )?;
 
         let rows = batch * seq_len * self.num_value_heads;
+        // The recurrence's f32 output, rounded to the activations' dtype as
+        // the norm reads it.
         let normed = berrylm_kernels::gated_rms_norm(
-            &out.to_dtype(dtype)?.reshape((rows, self.value_head_dim))?,
+            &out.reshape((rows, self.value_head_dim))?,
             &z.reshape((rows, self.value_head_dim))?,
             &self.norm_weight,
             self.norm_eps,
+            dtype,
         )?;
         self.out_proj
             .forward(&normed.reshape((batch, seq_len, value_dim))?)
