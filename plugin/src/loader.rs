@@ -17,6 +17,7 @@ use regex::Regex;
 
 use crate::config::{BerryLmConfig, LayerKind};
 use crate::host::{model_metadata, BerryLmHostModel};
+use crate::layers::rope::PartialRotaryEmbedding;
 use crate::model::BerryLm;
 use crate::quantization::{self, QuantizationReport};
 use crate::weights::Weights;
@@ -236,7 +237,12 @@ impl DeviceMappedModelLoader for BerryLmLoader {
         } else {
             embedding / weight_pack_factor
         };
-        Ok((embedding + lm_head + cfg.hidden_size) * dtype.size_in_bytes())
+        let rotary_tables = PartialRotaryEmbedding::table_bytes(
+            cfg.rotary_dim(),
+            cfg.max_position_embeddings,
+            dtype,
+        );
+        Ok((embedding + lm_head + cfg.hidden_size) * dtype.size_in_bytes() + rotary_tables)
     }
 
     fn layer_sizes_in_bytes(

@@ -49,6 +49,12 @@ impl PartialRotaryEmbedding {
         Ok(PartialRotaryEmbedding { inv_freq, tables })
     }
 
+    /// Bytes of the tables [`PartialRotaryEmbedding::new`] keeps for
+    /// `base_dim` and `positions` in `dtype`.
+    pub fn table_bytes(base_dim: usize, positions: usize, dtype: DType) -> usize {
+        2 * positions.min(MAX_TABLE_POSITIONS) * 2 * base_dim.div_ceil(2) * dtype.size_in_bytes()
+    }
+
     /// cos and sin `[T, rotary_dim]` for the given absolute positions, in `dtype`.
     ///
     /// The angles `position * inv_freq` and their cos and sin are those candle's
@@ -107,6 +113,21 @@ mod tests {
     /// std's f32 cos/sin of `position * inv_freq[j]`, with transformers'
     /// `inv_freq = 1 / theta^(2j / base_dim)`, each frequency on channel j and
     /// j + rotary_dim/2.
+    /// The bytes the loader reports for the tables are those they take, an
+    /// odd base width rotating one more channel.
+    #[test]
+    fn table_bytes_are_the_tables_size() {
+        for (base_dim, positions, dtype) in [(8, 6, DType::F32), (3, 5, DType::BF16)] {
+            let rope =
+                PartialRotaryEmbedding::new(10_000.0, base_dim, positions, dtype, &Device::Cpu)
+                    .unwrap();
+            assert_eq!(
+                PartialRotaryEmbedding::table_bytes(base_dim, positions, dtype),
+                rope.tables.elem_count() * dtype.size_in_bytes()
+            );
+        }
+    }
+
     #[test]
     fn rows_inside_and_past_the_tables_are_the_angles_cos_and_sin() {
         let rope = PartialRotaryEmbedding::new(10_000.0, 8, 6, DType::F32, &Device::Cpu).unwrap();
