@@ -22,7 +22,7 @@ pub struct PartialRotaryEmbedding {
     /// `max_position_embeddings` (at most [`MAX_TABLE_POSITIONS`]),
     /// `[2, positions, rotary_dim]` on the model's
     /// device and in its dtype: a forward gathers its rows instead of
-    /// computing them on the host (two million angles for a 16384-token
+    /// computing them on the host (two million values for a 16384-token
     /// prompt) and uploading them.
     tables: Tensor,
 }
