@@ -190,32 +190,6 @@ __device__ __forceinline__ float element(const Pack<__half>& pack, int i) {
     return __half2float(__ushort_as_half(bits));
 }
 
-// Two values rounded to T (RNE) in one 32-bit word, `lo` at the lower address.
-template <typename T> __device__ __forceinline__ unsigned int pair_bits(float lo, float hi);
-template <> __device__ __forceinline__ unsigned int pair_bits<__nv_bfloat16>(float lo, float hi) {
-    const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
-    return static_cast<unsigned int>(__bfloat16_as_ushort(pair.x)) |
-           (static_cast<unsigned int>(__bfloat16_as_ushort(pair.y)) << 16);
-}
-template <> __device__ __forceinline__ unsigned int pair_bits<__half>(float lo, float hi) {
-    const __half2 pair = __floats2half2_rn(lo, hi);
-    return static_cast<unsigned int>(__half_as_ushort(pair.x)) |
-           (static_cast<unsigned int>(__half_as_ushort(pair.y)) << 16);
-}
-
-// Stores eight values converted to T (RNE); `p` must be 16-byte aligned.
-__device__ __forceinline__ void store_pack(float* p, const float (&v)[kVecWidth]) {
-    float4* vectors = reinterpret_cast<float4*>(p);
-    vectors[0] = make_float4(v[0], v[1], v[2], v[3]);
-    vectors[1] = make_float4(v[4], v[5], v[6], v[7]);
-}
-template <typename T>
-__device__ __forceinline__ void store_pack(T* p, const float (&v)[kVecWidth]) {
-    *reinterpret_cast<uint4*>(p) =
-        make_uint4(pair_bits<T>(v[0], v[1]), pair_bits<T>(v[2], v[3]),
-                   pair_bits<T>(v[4], v[5]), pair_bits<T>(v[6], v[7]));
-}
-
 // Sums each of v[0..N) over the warp (N a power of two, at most 32): at each
 // butterfly step a lane keeps half of its values, adds its partner's partials
 // of them, and hands the other half over, so N - 1 shuffles reduce N values
@@ -485,7 +459,7 @@ __global__ void __maxnreg__(register_cap<TS>(kKeep, kChunk))
             y[i] = m;
         }
     }
-    store_pack(out + offset, y);
+    berrylm::store8(out + offset, y);
 }
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }

@@ -56,6 +56,31 @@ __device__ __forceinline__ float warp_max(float x) {
     return x;
 }
 
+// Two values rounded to T (RNE) in one 32-bit word, `lo` at the lower address.
+template <typename T> __device__ __forceinline__ unsigned int pair_bits(float lo, float hi);
+template <> __device__ __forceinline__ unsigned int pair_bits<__nv_bfloat16>(float lo, float hi) {
+    const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
+    return static_cast<unsigned int>(__bfloat16_as_ushort(pair.x)) |
+           (static_cast<unsigned int>(__bfloat16_as_ushort(pair.y)) << 16);
+}
+template <> __device__ __forceinline__ unsigned int pair_bits<__half>(float lo, float hi) {
+    const __half2 pair = __floats2half2_rn(lo, hi);
+    return static_cast<unsigned int>(__half_as_ushort(pair.x)) |
+           (static_cast<unsigned int>(__half_as_ushort(pair.y)) << 16);
+}
+
+// Stores eight values converted to T (RNE) as 16-byte vectors; `p` must be
+// 16-byte aligned.
+__device__ __forceinline__ void store8(float* p, const float (&v)[8]) {
+    float4* vectors = reinterpret_cast<float4*>(p);
+    vectors[0] = make_float4(v[0], v[1], v[2], v[3]);
+    vectors[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+template <typename T> __device__ __forceinline__ void store8(T* p, const float (&v)[8]) {
+    *reinterpret_cast<uint4*>(p) = make_uint4(pair_bits<T>(v[0], v[1]), pair_bits<T>(v[2], v[3]),
+                                              pair_bits<T>(v[4], v[5]), pair_bits<T>(v[6], v[7]));
+}
+
 // Grid size for grid-stride elementwise kernels.
 inline unsigned int elementwise_blocks(long long total, int threads) {
     long long blocks = (total + threads - 1) / threads;

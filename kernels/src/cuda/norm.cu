@@ -17,9 +17,12 @@
 // the root (not multiplied by its reciprocal), so for the same sum of squares
 // the f32 value before the final rounding is the CPU's bit for bit. Only the
 // order of the sum differs (lanes, then warps, vs. candle's sequential or
-// SIMD-lane sum). One to eight warps per row, by width.
+// SIMD-lane sum). Rows of a multiple of 8 up to 4096 wide (BerryLM's hidden
+// size) take a block each, 8 elements a thread in 16-byte vectors; others
+// one to eight warps per row, by width.
 #include "common.cuh"
 #include "norm_rows.cuh"
+#include "weight_rows.cuh"
 
 namespace berrylm::norm {
 
@@ -79,6 +82,58 @@ __global__ void __launch_bounds__(berrylm::norm_rows::kRowThreads)
     });
 }
 
+// The same norm where a row's width is a multiple of 8 and at most 4096 and
+// every pointer is 16-byte aligned: one block a row, thread t owning the
+// elements [8t, 8t + 8), read (with its scale) and written as 16-byte
+// vectors, so that a row waits for memory once before its sum (the scale is
+// loaded with x) instead of for scalar loads on both sides of it. The sum of
+// squares runs over a thread's 8 values, then the warp, then the warps in
+// order.
+constexpr int kVecElements = 8;  // berrylm::store8's
+constexpr int kVecMaxThreads = 512;
+
+template <typename T>
+__global__ void __launch_bounds__(kVecMaxThreads)
+    offset_rms_norm_vec_kernel(const T* __restrict__ x, const T* __restrict__ delta,
+                               const float* __restrict__ scale, T* __restrict__ sum_out,
+                               T* __restrict__ out, int width, float inv_width, float eps) {
+    __shared__ float partial[kVecMaxThreads / 32];
+    const long long offset = static_cast<long long>(blockIdx.x) * width;
+    const int first = static_cast<int>(threadIdx.x) * kVecElements;
+    const bool active = first < width;
+    float v[kVecElements] = {};
+    float w[kVecElements] = {};
+    if (active) {
+        berrylm::rows::load_vec<T, kVecElements>(x + offset + first, v);
+        if (delta != nullptr) {
+            float d[kVecElements];
+            berrylm::rows::load_vec<T, kVecElements>(delta + offset + first, d);
+#pragma unroll
+            for (int i = 0; i < kVecElements; ++i) {
+                v[i] = berrylm::round_to<T>(__fadd_rn(v[i], d[i]));
+            }
+        }
+        berrylm::rows::load_vec<float, kVecElements>(scale + first, w);
+    }
+    float sum_sq = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kVecElements; ++i) sum_sq = __fadd_rn(sum_sq, __fmul_rn(v[i], v[i]));
+    sum_sq = berrylm::warp_sum(sum_sq);
+    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = sum_sq;
+    __syncthreads();
+    float total = 0.0f;
+    for (int k = 0; k < static_cast<int>(blockDim.x >> 5); ++k) total = __fadd_rn(total, partial[k]);
+    const float rms = __fsqrt_rn(__fadd_rn(__fmul_rn(total, inv_width), eps));
+    if (!active) return;
+    if (sum_out != nullptr) berrylm::store8(sum_out + offset + first, v);
+    float y[kVecElements];
+#pragma unroll
+    for (int i = 0; i < kVecElements; ++i) y[i] = __fmul_rn(__fdiv_rn(v[i], rms), w[i]);
+    berrylm::store8(out + offset + first, y);
+}
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
 template <typename TX, typename TIn, typename TZ>
 void launch_gated(const void* x, const void* z, const float* weight, void* out, long long rows,
                   int width, float eps, unsigned int blocks, cudaStream_t stream) {
@@ -128,9 +183,21 @@ extern "C" int berrylm_offset_rms_norm(int x_dtype, const void* x, const void* d
                                        long long rows, int width, float inv_width, float eps,
                                        void* stream) {
     if (rows == 0 || width == 0) return 0;
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const bool vector = width % kVecElements == 0 && width / kVecElements <= kVecMaxThreads &&
+                        rows <= 0x7fffffffll && aligned16(x) && aligned16(delta) &&
+                        aligned16(scale) && aligned16(sum_out) && aligned16(out);
+    if (vector) {
+        const int threads = (width / kVecElements + 31) / 32 * 32;
+        BERRYLM_DISPATCH_DTYPE(x_dtype, T, {
+            offset_rms_norm_vec_kernel<T><<<static_cast<unsigned int>(rows), threads, 0, s>>>(
+                static_cast<const T*>(x), static_cast<const T*>(delta), scale,
+                static_cast<T*>(sum_out), static_cast<T*>(out), width, inv_width, eps);
+        });
+        return berrylm::launch_status();
+    }
     const unsigned int blocks = berrylm::norm_rows::row_blocks(rows, width);
     if (blocks == 0) return static_cast<int>(cudaErrorInvalidValue);
-    cudaStream_t s = static_cast<cudaStream_t>(stream);
     BERRYLM_DISPATCH_DTYPE(x_dtype, T, {
         offset_rms_norm_kernel<T><<<blocks, berrylm::norm_rows::kRowThreads, 0, s>>>(
             static_cast<const T*>(x), static_cast<const T*>(delta), scale,
