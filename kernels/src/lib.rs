@@ -94,7 +94,9 @@ pub use gate_mul::sigmoid_gate_mul;
 pub use mlp::{add_moe_output, swiglu};
 pub use moe::{moe_experts, moe_experts_quantized, moe_experts_with, MoeExpertsAlgorithm};
 pub use norm::{add_offset_rms_norm, gated_rms_norm, offset_rms_norm};
-pub use quantized::{quantized_matmul, quantized_matmul_with_dense, takes_gguf_dtype};
+pub use quantized::{
+    decode_matmul, quantized_matmul, quantized_matmul_with_dense, takes_gguf_dtype,
+};
 pub use recurrence::{
     kda_recurrence, kda_recurrence_in_pool_with, kda_recurrence_with, repeated_slot,
     KdaPrefillAlgorithm, StatePool, PAD_SLOT,

@@ -99,6 +99,43 @@ pub fn quantized_matmul_with_dense(x: &Tensor, weight: &QTensor, dense: &Tensor)
     )
 }
 
+const DENSE_OP: &str = "decode_matmul";
+
+/// `y = x W^T` for the few rows of a decode step, with full-precision `W`:
+///
+/// ```text
+/// y[n, j] = round(sum_c x[n, c] * w[j, c])    (f32 products and sums)
+/// ```
+///
+/// where `round` rounds to the dtype of `x`, as a reference `Linear` in that
+/// dtype rounds its output once.
+///
+/// * `x`: `[N, in]`, any float dtype.
+/// * `weight`: `[out, in]` in the dtype of `x`, on its device.
+///
+/// Returns `[N, out]` in the dtype of `x`. On CUDA [`quantized_matmul`]'s
+/// kernel without quantized rows: one warp per output column streams its
+/// weight row once per group of up to 8 rows of `x`; the CPU reference
+/// multiplies in f32.
+pub fn decode_matmul(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
+    let [_, in_dim] = float_dims::<2>(DENSE_OP, "x", x)?;
+    let [_, weight_in] = float_dims::<2>(DENSE_OP, "weight", weight)?;
+    ensure(weight_in == in_dim, DENSE_OP, "weight", || {
+        format!("{weight_in} columns for inputs of width {in_dim}")
+    })?;
+    expect_same_dtype(DENSE_OP, "weight", weight, x.dtype(), "the dtype of `x`")?;
+    let device = x.device();
+    expect_same_device(DENSE_OP, "weight", weight.device(), device)?;
+    on_device!(
+        DENSE_OP,
+        device,
+        Ok(x.to_dtype(DType::F32)?
+            .matmul(&weight.to_dtype(DType::F32)?.t()?)?
+            .to_dtype(x.dtype())?),
+        crate::cuda::dense_matmul(DENSE_OP, x, weight),
+    )
+}
+
 /// The dims of `tensor` (argument `arg` of `op`), which must have rank
 /// `RANK` and a type [`takes_gguf_dtype`] takes.
 pub(crate) fn gguf_dims<const RANK: usize>(

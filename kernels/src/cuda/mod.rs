@@ -98,7 +98,7 @@ pub(crate) use gate_mul::sigmoid_gate_mul;
 pub(crate) use mlp::swiglu;
 pub(crate) use moe::{moe_experts, moe_experts_quantized};
 pub(crate) use norm::offset_rms_norm;
-pub(crate) use quantized::quantized_matmul;
+pub(crate) use quantized::{dense_matmul, quantized_matmul};
 pub(crate) use recurrence::{kda_recurrence, kda_recurrence_in_pool};
 
 /// Dtype codes understood by the kernels (`berrylm::DTypeCode` in common.cuh).

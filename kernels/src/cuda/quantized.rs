@@ -28,6 +28,17 @@ extern "C" {
         dense_rows: c_int,
         stream: *mut c_void,
     ) -> c_int;
+
+    fn berrylm_dense_matmul(
+        dtype: c_int,
+        x: *const c_void,
+        weight: *const c_void,
+        y: *mut c_void,
+        tokens: c_int,
+        in_dim: c_int,
+        out_dim: c_int,
+        stream: *mut c_void,
+    ) -> c_int;
 }
 
 /// The kernels' format code of `dtype`.
@@ -104,6 +115,36 @@ pub(crate) fn quantized_matmul(
                 c_size(op, "x", in_dim)?,
                 c_size(op, "weight", quantized_rows)?,
                 c_size(op, "dense", dense_rows)?,
+                p.stream(),
+            )
+        })
+    })?;
+    Ok(outputs.tensor(y))
+}
+
+/// CUDA `decode_matmul`; arguments validated by the caller (`x` `[tokens,
+/// in_dim]`, `weight` `[out_dim, in_dim]` in its dtype on its device).
+pub(crate) fn dense_matmul(op: &'static str, x: &Tensor, weight: &Tensor) -> Result<Tensor> {
+    let (tokens, in_dim) = x.dims2()?;
+    let (out_dim, _) = weight.dims2()?;
+    let mut launch = Launch::new(op, x)?;
+    let x = launch.input("x", &aligned16(x)?)?;
+    let weight = launch.input("weight", weight)?;
+    let dtype = launch.dtype(x);
+    let y = launch.output(&[tokens, out_dim], dtype)?;
+    let outputs = launch.run(|p| {
+        // SAFETY: `x` is contiguous `[tokens, in_dim]`, `weight` contiguous
+        // `[out_dim, in_dim]` of its dtype, `y` freshly allocated `[tokens,
+        // out_dim]`; all on candle's stream.
+        Ok(unsafe {
+            berrylm_dense_matmul(
+                dtype_code(op, dtype)?,
+                p.input(x),
+                p.input(weight),
+                p.output(y),
+                c_size(op, "x", tokens)?,
+                c_size(op, "x", in_dim)?,
+                c_size(op, "weight", out_dim)?,
                 p.stream(),
             )
         })

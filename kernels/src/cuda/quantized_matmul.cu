@@ -54,6 +54,26 @@ __global__ void __launch_bounds__(kThreads)
     }
 }
 
+// The dense rows alone: one warp per output column, as above.
+template <typename T, typename Dense, int TOKENS>
+__global__ void __launch_bounds__(kThreads)
+    dense_gemv_kernel(const T* __restrict__ x, const T* __restrict__ weight, T* __restrict__ y,
+                      int tokens, int in_dim, int out_dim) {
+    const int j = blockIdx.x * kWarps + (threadIdx.x >> 5);
+    if (j >= out_dim) return;
+    write_column<T, Dense, TOKENS>(Dense::row(weight, j, in_dim), x, y, tokens, in_dim, out_dim, j);
+}
+
+template <typename T, typename Dense>
+void launch_dense(const T* x, const T* weight, T* y, int tokens, int in_dim, int out_dim,
+                  cudaStream_t stream) {
+    const unsigned int blocks = static_cast<unsigned int>((out_dim + kWarps - 1) / kWarps);
+    berrylm::rows::with_group_size(tokens, [&](auto group) {
+        dense_gemv_kernel<T, Dense, decltype(group)::value><<<blocks, kThreads, 0, stream>>>(
+            x, weight, y, tokens, in_dim, out_dim);
+    });
+}
+
 template <typename T, typename Rows, typename Dense>
 void launch(const T* x, const uint8_t* weight, const T* dense, T* y, int tokens, int in_dim,
             int quantized_rows, int out_dim, cudaStream_t stream) {
@@ -101,6 +121,33 @@ extern "C" int berrylm_quantized_matmul(int dtype, int format, const void* x, co
             }
             return berrylm::launch_status();
         });
+    });
+    return 0;
+}
+
+// `x` [tokens, in_dim] and `weight` [out_dim, in_dim], both contiguous in
+// `dtype`; `y` [tokens, out_dim]: the full-precision projection of a decode
+// step in the kernel above (f32 products and sums, each output rounded once).
+extern "C" int berrylm_dense_matmul(int dtype, const void* x, const void* weight, void* y,
+                                    int tokens, int in_dim, int out_dim, void* stream) {
+    if (tokens == 0 || out_dim == 0) return 0;
+    if (in_dim <= 0) return static_cast<int>(cudaErrorInvalidValue);
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    BERRYLM_DISPATCH_DTYPE(dtype, T, {
+        constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+        const bool vectorized = in_dim % kVec == 0 &&
+                                (reinterpret_cast<uintptr_t>(x) & 15u) == 0 &&
+                                (reinterpret_cast<uintptr_t>(weight) & 15u) == 0;
+        const auto* xp = static_cast<const T*>(x);
+        const auto* wp = static_cast<const T*>(weight);
+        auto* yp = static_cast<T*>(y);
+        if (vectorized) {
+            launch_dense<T, berrylm::rows::DenseRows<T, kVec>>(xp, wp, yp, tokens, in_dim, out_dim,
+                                                              s);
+        } else {
+            launch_dense<T, berrylm::rows::DenseRows<T, 1>>(xp, wp, yp, tokens, in_dim, out_dim, s);
+        }
+        return berrylm::launch_status();
     });
     return 0;
 }

@@ -2,12 +2,13 @@
 //! `quantized_matmul_with_dense`, `moe_experts_quantized`) on CUDA against their CPU references, which
 //! dequantize the same blocks with candle: q8_0 and q4_K, every activation
 //! dtype, decode batches of one to more than one group of 8 rows, BerryLM-OS
-//! widths and small ones.
+//! widths and small ones; and the same kernel on full-precision weights
+//! alone (`decode_matmul`).
 
 use std::borrow::Cow;
 
 use berrylm_kernels::{
-    moe_experts_quantized, quantized_matmul, quantized_matmul_with_dense, Result,
+    decode_matmul, moe_experts_quantized, quantized_matmul, quantized_matmul_with_dense, Result,
 };
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::DType;
@@ -125,6 +126,33 @@ fn quantized_matmul_with_dense_matches_cpu() -> Result<()> {
                     with_dense_case(seed, tokens, dims, format, dtype)?;
                     seed += 1;
                 }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Decode-step projections of BerryLM-OS (the KDA in-projection's 12,448
+/// rows, `out_proj`'s 4096-wide input, the shared expert's down projection)
+/// and small, odd widths (the scalar path), at batches 1, 5 and 11, from a
+/// view one element into its storage.
+#[test]
+fn decode_matmul_matches_cpu() -> Result<()> {
+    let mut seed = 3300;
+    for dtype in ALL_DTYPES {
+        for tokens in [1, 5, 11] {
+            for [out_dim, in_dim] in [[12448, HIDDEN], [HIDDEN, 4096], [HIDDEN, 512], [7, 37]] {
+                let rng = &mut Rng::new(seed);
+                seed += 1;
+                let x = random(rng, &[tokens * in_dim + 1], -2.0, 2.0, dtype)?
+                    .narrow(0, 1, tokens * in_dim)?
+                    .reshape((tokens, in_dim))?;
+                let weight = random(rng, &[out_dim, in_dim], -0.05, 0.05, dtype)?;
+                let cpu = decode_matmul(&x, &weight)?;
+                let dev = gpu();
+                let cuda = decode_matmul(&to_gpu(&x, &dev)?, &to_gpu(&weight, &dev)?)?;
+                let what = format!("decode_matmul N={tokens} [{out_dim}, {in_dim}] {dtype:?}");
+                within(&what, &cuda, &cpu, tolerance(dtype))?;
             }
         }
     }

@@ -1,5 +1,5 @@
 use berrylm_kernels::{
-    attn_res_mix, causal_conv1d, gated_rms_norm, kda_gate, kda_recurrence,
+    attn_res_mix, causal_conv1d, decode_matmul, gated_rms_norm, kda_gate, kda_recurrence,
     kda_recurrence_in_pool_with, kda_recurrence_with, moe_route, offset_rms_norm,
     KdaPrefillAlgorithm, Result, StatePool,
 };
@@ -205,6 +205,16 @@ fn gated_rms_norm_rejects_bad_arguments() {
     ] {
         assert_rejects(result, "gated_rms_norm", arg);
     }
+}
+
+#[test]
+fn decode_matmul_rejects_bad_arguments() {
+    let x = zeros(&[3, 8]);
+    let op = "decode_matmul";
+    assert_rejects(decode_matmul(&x, &zeros(&[5, 7])), op, "weight");
+    assert_rejects(decode_matmul(&zeros(&[8]), &zeros(&[5, 8])), op, "x");
+    let half = Tensor::zeros((5, 8), DType::BF16, &Device::Cpu).expect("zeros");
+    assert_rejects(decode_matmul(&x, &half), op, "weight");
 }
 
 #[test]

@@ -107,15 +107,24 @@ impl Module for Linear {
         // would copy it with candle's, which uploads the view's layout from
         // host memory, a copy a decode graph cannot capture.
         let x = berrylm_kernels::contiguous(x)?;
-        // Up to 8 rows on CUDA (decode) take the host's GEMV kernel, as the
-        // host's own linear layers do: one launch, cheaper for the host to
-        // dispatch than a cuBLAS product (docs/performance.md). That kernel
-        // reads pairs of elements, so a view must start at an even element.
+        // Up to 8 rows on CUDA (decode) take BerryLM's decode kernel (one
+        // warp per output column, each weight row streamed once for all
+        // rows): one launch, cheaper for the host to dispatch than a cuBLAS
+        // product (docs/performance.md).
         #[cfg(feature = "cuda")]
-        if mistralrs_quant::should_use_gemv(&x, &self.weight)
-            && x.layout().start_offset().is_multiple_of(2)
-        {
-            return mistralrs_quant::gemv(&x, &self.weight, self.bias.as_ref());
+        if mistralrs_quant::should_use_gemv(&x, &self.weight) {
+            let (out_dim, in_dim) = self.weight.dims2()?;
+            let rows = x.reshape(((), in_dim))?;
+            let y = berrylm_kernels::decode_matmul(&rows, &self.weight)?;
+            let mut dims = x.dims().to_vec();
+            if let Some(last) = dims.last_mut() {
+                *last = out_dim;
+            }
+            let y = y.reshape(dims)?;
+            return match &self.bias {
+                Some(bias) => y.broadcast_add(bias),
+                None => Ok(y),
+            };
         }
         matmul_add(&x, &self.weight.t()?, self.bias.as_ref())
     }
