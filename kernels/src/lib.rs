@@ -21,6 +21,7 @@
 //! | [`moe_route`] | 3.7 | MoE router: softmax, top-k with `torch.topk`'s order, optional renormalisation |
 //! | [`moe_experts`] | 3.7 step 3 | the routed experts' weighted sum, accumulated in expert order (decode kernels; grouped GEMMs for prompts on CUDA) |
 //! | [`moe_experts_with`] | 3.7 step 3 | the same, with an explicit [`MoeExpertsAlgorithm`] for CUDA; a test and benchmark reference |
+//! | [`moe_block_decode`] | 3.7 steps 3-5 | a decode step's MoE block: the routed experts, the gated shared expert and the residual add (two launches on CUDA) |
 //! | [`moe_experts_quantized`] | 3.7 step 3 | the same with experts quantized in GGUF blocks (q8_0, q4_K), for decode steps |
 //! | [`quantized_matmul`] | - | `x W^T` with `W` quantized in GGUF blocks (q8_0, q4_K), for decode steps |
 //! | [`quantized_matmul_with_dense`] | - | the same and `x D^T` with `D` in full precision, as one output (one launch on CUDA) |
@@ -92,7 +93,10 @@ pub use conv::{
 pub use gate::{kda_beta, kda_gate};
 pub use gate_mul::sigmoid_gate_mul;
 pub use mlp::{add_moe_output, swiglu};
-pub use moe::{moe_experts, moe_experts_quantized, moe_experts_with, MoeExpertsAlgorithm};
+pub use moe::{
+    moe_block_decode, moe_experts, moe_experts_quantized, moe_experts_with, MoeBlockInputs,
+    MoeBlockWeights, MoeExpertsAlgorithm, MOE_BLOCK_DECODE_MAX_TOP_K,
+};
 pub use norm::{add_offset_rms_norm, gated_rms_norm, offset_rms_norm};
 pub use quantized::{
     decode_matmul, quantized_matmul, quantized_matmul_with_dense, takes_gguf_dtype,

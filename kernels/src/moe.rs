@@ -9,8 +9,8 @@ use candle_core::{DType, IndexOp, Tensor};
 
 use crate::quantized::gguf_dims;
 use crate::{
-    ensure, expect_on_device, expect_same_device, expect_same_dtype, float_dims, invalid_argument,
-    round_to_dtype, silu, tensor_from_f32, to_f32_vec, Result,
+    ensure, expect_dim, expect_like, expect_on_device, expect_same_device, expect_same_dtype,
+    float_dims, invalid_argument, round_to_dtype, silu, tensor_from_f32, to_f32_vec, Result,
 };
 
 const OP: &str = "moe_experts";
@@ -116,7 +116,7 @@ pub fn moe_experts_with(
 ) -> Result<Tensor> {
     let gate_up_dims = float_dims::<3>(OP, "gate_up", gate_up)?;
     let down_dims = float_dims::<3>(OP, "down", down)?;
-    let sizes = RoutedSizes::checked(x, weights, ids, gate_up_dims, down_dims)?;
+    let sizes = RoutedSizes::checked(OP, x, weights, ids, gate_up_dims, down_dims)?;
     for (arg, tensor) in [("gate_up", gate_up), ("down", down)] {
         expect_same_dtype(OP, arg, tensor, x.dtype(), "the activations'")?;
     }
@@ -159,7 +159,7 @@ pub fn moe_experts_quantized(
 ) -> Result<Tensor> {
     let gate_up_dims = gguf_dims::<3>(OP, "gate_up", gate_up)?;
     let down_dims = gguf_dims::<3>(OP, "down", down)?;
-    let sizes = RoutedSizes::checked(x, weights, ids, gate_up_dims, down_dims)?;
+    let sizes = RoutedSizes::checked(OP, x, weights, ids, gate_up_dims, down_dims)?;
     let device = x.device();
     expect_on_device(OP, device, [("weights", weights), ("ids", ids)])?;
     for (arg, tensor) in [("gate_up", gate_up), ("down", down)] {
@@ -177,6 +177,123 @@ pub fn moe_experts_quantized(
     )
 }
 
+const BLOCK_OP: &str = "moe_block_decode";
+
+/// The most experts per token [`moe_block_decode`] takes.
+pub const MOE_BLOCK_DECODE_MAX_TOP_K: usize = 8;
+
+/// A MoE block's full-precision weights, in the activations' dtype: the
+/// routed experts' `gate_up` `[E, 2I, H]` (gate rows, then up rows) and
+/// `down` `[E, H, I]`, and the shared expert's down projection
+/// `shared_down` `[H, Is]`.
+#[derive(Clone, Copy)]
+pub struct MoeBlockWeights<'a> {
+    pub gate_up: &'a Tensor,
+    pub down: &'a Tensor,
+    pub shared_down: &'a Tensor,
+}
+
+/// What a batch brings to a MoE block, `N` tokens: `x` `[N, H]` (the
+/// normed stream), `residual` `[N, H]`, the routing (`weights` `[N, k]`, any
+/// float dtype, and `ids` `[N, k]` `u32`, as [`crate::moe_route`] gives
+/// them), the shared expert's packed `gate | up` projection `[N, 2 Is]` and
+/// its gate's logit `[N, 1]` (both may be column views of a stacked
+/// projection's output, read in place on CUDA).
+#[derive(Clone, Copy)]
+pub struct MoeBlockInputs<'a> {
+    pub x: &'a Tensor,
+    pub residual: &'a Tensor,
+    pub weights: &'a Tensor,
+    pub ids: &'a Tensor,
+    pub shared_gate_up: &'a Tensor,
+    pub shared_gate_logit: &'a Tensor,
+}
+
+/// The residual stream after a MoE block, for the few tokens of a decode
+/// step:
+///
+/// ```text
+/// routed = moe_experts(x, weights, ids, gate_up, down)
+/// shared = round(swiglu(shared_gate_up) shared_down^T)   (f32 sums)
+/// y      = add_moe_output(residual, routed, shared, shared_gate_logit)
+/// ```
+///
+/// with each operation's rounding points (`round` to the activations'
+/// dtype). At most [`MOE_BLOCK_DECODE_MAX_TOP_K`] experts per token.
+///
+/// On CUDA two launches: [`moe_experts`]'s `gate | up` kernel, then one
+/// that reads, for each output column, the down rows of the token's experts
+/// and of the shared expert together and writes the column of `y` (the
+/// expert outputs, the combine, the shared expert and the residual add
+/// never leave registers). The CPU reference runs the four operations.
+pub fn moe_block_decode(
+    inputs: &MoeBlockInputs<'_>,
+    weights: &MoeBlockWeights<'_>,
+) -> Result<Tensor> {
+    let MoeBlockInputs {
+        x,
+        residual,
+        weights: routing_weights,
+        ids,
+        shared_gate_up,
+        shared_gate_logit,
+    } = *inputs;
+    let gate_up_dims = float_dims::<3>(BLOCK_OP, "gate_up", weights.gate_up)?;
+    let down_dims = float_dims::<3>(BLOCK_OP, "down", weights.down)?;
+    let sizes = RoutedSizes::checked(BLOCK_OP, x, routing_weights, ids, gate_up_dims, down_dims)?;
+    ensure(
+        sizes.top_k <= MOE_BLOCK_DECODE_MAX_TOP_K,
+        BLOCK_OP,
+        "ids",
+        || {
+            format!(
+                "{} experts per token; at most {MOE_BLOCK_DECODE_MAX_TOP_K}",
+                sizes.top_k
+            )
+        },
+    )?;
+    let [hidden, shared_inter] = float_dims::<2>(BLOCK_OP, "shared_down", weights.shared_down)?;
+    expect_dim(
+        BLOCK_OP,
+        "shared_down",
+        "its row width",
+        hidden,
+        sizes.hidden,
+    )?;
+    let tokens = sizes.tokens;
+    for (arg, tensor, dims) in [
+        ("residual", residual, [tokens, sizes.hidden]),
+        ("shared_gate_up", shared_gate_up, [tokens, 2 * shared_inter]),
+        ("shared_gate_logit", shared_gate_logit, [tokens, 1]),
+    ] {
+        expect_like(BLOCK_OP, arg, tensor, &dims, ("x", x))?;
+    }
+    for (arg, tensor) in [
+        ("gate_up", weights.gate_up),
+        ("down", weights.down),
+        ("shared_down", weights.shared_down),
+    ] {
+        expect_same_dtype(BLOCK_OP, arg, tensor, x.dtype(), "the activations'")?;
+        expect_same_device(BLOCK_OP, arg, tensor.device(), x.device())?;
+    }
+    expect_on_device(
+        BLOCK_OP,
+        x.device(),
+        [("weights", routing_weights), ("ids", ids)],
+    )?;
+    on_device!(
+        BLOCK_OP,
+        x.device(),
+        {
+            let routed = moe_experts(x, routing_weights, ids, weights.gate_up, weights.down)?;
+            let shared =
+                crate::decode_matmul(&crate::swiglu(shared_gate_up)?, weights.shared_down)?;
+            crate::add_moe_output(residual, &routed, &shared, shared_gate_logit)
+        },
+        crate::cuda::moe_block_decode(inputs, weights, &sizes, shared_inter),
+    )
+}
+
 /// The sizes of a [`moe_experts`] call: `x` `[tokens, hidden]`, `weights`
 /// and `ids` `[tokens, top_k]`, `gate_up` `[experts, 2 * inter, hidden]` and
 /// `down` `[experts, hidden, inter]`.
@@ -191,21 +308,23 @@ pub(crate) struct RoutedSizes {
 
 impl RoutedSizes {
     /// The sizes of `x`, `weights` and `ids` with expert weights of the
-    /// shapes `gate_up` and `down`, checked against each other.
+    /// shapes `gate_up` and `down`, checked against each other (errors
+    /// name the operation `op`).
     fn checked(
+        op: &'static str,
         x: &Tensor,
         weights: &Tensor,
         ids: &Tensor,
         gate_up: [usize; 3],
         down: [usize; 3],
     ) -> Result<RoutedSizes> {
-        let [tokens, hidden] = float_dims::<2>(OP, "x", x)?;
-        let [weight_rows, top_k] = float_dims::<2>(OP, "weights", weights)?;
+        let [tokens, hidden] = float_dims::<2>(op, "x", x)?;
+        let [weight_rows, top_k] = float_dims::<2>(op, "weights", weights)?;
         let [experts, _, _] = gate_up;
         let [_, _, inter] = down;
         ensure(
             ids.dtype() == DType::U32 && ids.dims() == [tokens, top_k],
-            OP,
+            op,
             "ids",
             || {
                 format!(
@@ -215,7 +334,7 @@ impl RoutedSizes {
                 )
             },
         )?;
-        ensure(weight_rows == tokens, OP, "weights", || {
+        ensure(weight_rows == tokens, op, "weights", || {
             format!("{weight_rows} rows for {tokens} tokens")
         })?;
         let expected = [
@@ -223,11 +342,11 @@ impl RoutedSizes {
             ("down", down, [experts, hidden, inter]),
         ];
         for (arg, dims, want) in expected {
-            ensure(dims == want, OP, arg, || {
+            ensure(dims == want, op, arg, || {
                 format!("shape {dims:?}, expected {want:?} (E, 2I, H from the inputs)")
             })?;
         }
-        ensure(inter > 0 && experts > 0 && top_k > 0, OP, "gate_up", || {
+        ensure(inter > 0 && experts > 0 && top_k > 0, op, "gate_up", || {
             format!("empty experts: E {experts}, I {inter}, k {top_k}")
         })?;
         Ok(RoutedSizes {

@@ -21,10 +21,11 @@ mod quantized;
 
 use berrylm_kernels::{
     add_moe_output, add_offset_rms_norm, attn_res_mix, causal_conv1d, causal_conv1d_split,
-    causal_conv1d_split_in_pool, contiguous, gated_rms_norm, kda_beta, kda_gate, kda_recurrence,
-    kda_recurrence_in_pool_with, kda_recurrence_with, moe_experts, moe_experts_with, moe_route,
-    offset_rms_norm, offset_rms_norm_rope, sigmoid_gate_mul, swiglu, KdaPrefillAlgorithm,
-    KernelError, MoeExpertsAlgorithm, Result, StatePool, PAD_SLOT,
+    causal_conv1d_split_in_pool, contiguous, decode_matmul, gated_rms_norm, kda_beta, kda_gate,
+    kda_recurrence, kda_recurrence_in_pool_with, kda_recurrence_with, moe_block_decode,
+    moe_experts, moe_experts_with, moe_route, offset_rms_norm, offset_rms_norm_rope,
+    sigmoid_gate_mul, swiglu, KdaPrefillAlgorithm, KernelError, MoeBlockInputs, MoeBlockWeights,
+    MoeExpertsAlgorithm, Result, StatePool, PAD_SLOT,
 };
 use std::sync::OnceLock;
 
@@ -2144,6 +2145,126 @@ fn moe_experts_matches_cpu_at_odd_sizes() -> Result<()> {
         other => panic!("expected an InvalidArgument error, got {other:?}"),
     }
     Ok(())
+}
+
+// -------------------------------------------------------- moe_block_decode
+
+/// `moe_block_decode` of `tokens` tokens at `[E, k, H, I, Is]` (`Is` the
+/// shared expert's width) on the GPU against the CPU reference (the four
+/// operations it replaces), bounded as [`moe_checked`] bounds the routed
+/// experts; the shared expert's gate | up and gate logit are views of one
+/// stacked projection output, as in the model. With `unfused`, also against
+/// those four operations' CUDA kernels: the same sums in the same order, so
+/// the same bits.
+fn moe_block_case(
+    seed: u64,
+    tokens: usize,
+    [experts, top_k, hidden, inter, shared_inter]: [usize; 5],
+    dtype: DType,
+    unfused: bool,
+) -> Result<()> {
+    let mut rng = Rng::new(seed);
+    let case = MoeCase::routed(tokens, [experts, top_k, hidden, inter]);
+    let [x, weights, ids, gate_up, down] = moe_inputs(&mut rng, case, dtype)?;
+    let residual = random(&mut rng, &[tokens, hidden], -8.0, 8.0, dtype)?;
+    // The shared expert's gate | up, one column of another projection, its
+    // gate logit and six more columns (rows 16-byte aligned at model widths,
+    // as the model pads its stacked projections).
+    let stacked = random(&mut rng, &[tokens, 2 * shared_inter + 8], -4.0, 4.0, dtype)?;
+    let shared_down = random(&mut rng, &[hidden, shared_inter], -0.05, 0.05, dtype)?;
+    let shared_views = |stacked: &Tensor| -> Result<(Tensor, Tensor)> {
+        Ok((
+            stacked.narrow(1, 0, 2 * shared_inter)?,
+            stacked.narrow(1, 2 * shared_inter + 1, 1)?,
+        ))
+    };
+    let block = |[x, residual, weights, ids, stacked, gate_up, down, shared_down]: [&Tensor; 8]| {
+        let (shared_gate_up, shared_gate_logit) = shared_views(stacked)?;
+        moe_block_decode(
+            &MoeBlockInputs {
+                x,
+                residual,
+                weights,
+                ids,
+                shared_gate_up: &shared_gate_up,
+                shared_gate_logit: &shared_gate_logit,
+            },
+            &MoeBlockWeights {
+                gate_up,
+                down,
+                shared_down,
+            },
+        )
+    };
+    let inputs = [
+        &x,
+        &residual,
+        &weights,
+        &ids,
+        &stacked,
+        &gate_up,
+        &down,
+        &shared_down,
+    ];
+    let what = format!(
+        "moe_block_decode N={tokens} E={experts} k={top_k} H={hidden} I={inter} Is={shared_inter} {dtype:?}"
+    );
+    let (cuda, cpu) = on_both(inputs, block)?;
+    within(&what, &cuda, &cpu, output_tol(dtype))?;
+    if unfused {
+        let copies = to_gpu_all(&inputs.map(Tensor::clone))?;
+        let [x, residual, weights, ids, stacked, gate_up, down, shared_down] =
+            std::array::from_fn(|i| &copies[i]);
+        let (shared_gate_up, shared_gate_logit) = shared_views(stacked)?;
+        let routed = moe_experts_with(
+            MoeExpertsAlgorithm::Streamed,
+            x,
+            weights,
+            ids,
+            gate_up,
+            down,
+        )?;
+        let shared = decode_matmul(&swiglu(&shared_gate_up)?, shared_down)?;
+        let expected = add_moe_output(residual, &routed, &shared, &shared_gate_logit)?;
+        identical(
+            &format!("{what} against the unfused kernels"),
+            &cuda,
+            &expected,
+        )?;
+    }
+    Ok(())
+}
+
+/// BerryLM-OS widths with 16 experts (the CPU reference's time) at decode
+/// batches 1, 3 and 8 and top-8, and top-2 (the kernel's instance for up to
+/// four experts a token), in every dtype.
+#[test]
+fn moe_block_decode_matches_cpu_at_model_widths() -> Result<()> {
+    let widths = [16, TOP_K, HIDDEN, MOE_INTERMEDIATE, MOE_INTERMEDIATE];
+    sweep_seeds(2700, [1, 3, 8], &ALL_DTYPES, |seed, tokens, dtype| {
+        moe_block_case(seed, tokens, widths, dtype, true)
+    })?;
+    moe_block_case(
+        2710,
+        4,
+        [16, 2, HIDDEN, MOE_INTERMEDIATE, 256],
+        DType::BF16,
+        true,
+    )
+}
+
+/// Widths that are no multiple of the 16-byte vectors (the scalar path),
+/// the shared expert wider than the routed ones and narrower, and more than
+/// 8 experts a token refused with the argument named.
+#[test]
+fn moe_block_decode_matches_cpu_at_odd_sizes() -> Result<()> {
+    moe_block_case(2720, 5, [7, 3, 40, 13, 20], DType::BF16, false)?;
+    moe_block_case(2721, 2, [7, 3, 40, 13, 6], DType::F32, false)?;
+    moe_block_case(2722, 1, [8, 1, 64, 24, 48], DType::F16, false)?;
+    match moe_block_case(2723, 1, [16, 10, 40, 16, 16], DType::BF16, false) {
+        Err(KernelError::InvalidArgument { arg: "ids", .. }) => Ok(()),
+        other => panic!("expected an InvalidArgument error for 10 experts a token, got {other:?}"),
+    }
 }
 
 /// Prompt-sized calls and decode steps of more than 32 sequences: more routed

@@ -40,6 +40,20 @@ __device__ __forceinline__ float silu(float x) {
     return __fdiv_rn(x, __fadd_rn(1.0f, expf(-x)));
 }
 
+// The residual stream after a MoE block whose shared expert is gated, with
+// the reference's rounding points (spec 3.7; `routed` and `shared` are the
+// rounded outputs of the routed and shared experts):
+//   gate = round_x(sigmoid(gate_logit))     sigmoid(x) = 1 / (exp(-x) + 1)
+//   y    = round_x(residual + round_x(routed + round_x(gate * shared)))
+template <typename T>
+__device__ __forceinline__ T moe_residual(float residual, float routed, float shared,
+                                          float gate_logit) {
+    const float gate = round_to<T>(__fdiv_rn(1.0f, __fadd_rn(expf(-gate_logit), 1.0f)));
+    const float gated = round_to<T>(__fmul_rn(gate, shared));
+    const float moe = round_to<T>(__fadd_rn(routed, gated));
+    return from_f32<T>(__fadd_rn(residual, moe));
+}
+
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) {

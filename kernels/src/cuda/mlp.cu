@@ -4,9 +4,8 @@
 // SwiGLU of a packed gate | up row of width 2I:
 //   y[n, i] = round_x(round_x(silu(gate[n, i])) * up[n, i])
 //
-// The gated shared expert added to the routed output and the residual:
-//   gate = round_x(sigmoid(gate_logit[n]))     sigmoid(x) = 1 / (exp(-x) + 1)
-//   y    = round_x(residual + round_x(routed + round_x(gate * shared)))
+// The gated shared expert added to the routed output and the residual
+// (berrylm::moe_residual).
 //
 // Grid-stride loops, one element per thread and step.
 #include "common.cuh"
@@ -36,12 +35,9 @@ __global__ void add_moe_output_kernel(const T* __restrict__ residual, const T* _
     const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
     for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
          i += stride) {
-        const float logit = berrylm::to_f32(gate_logit[i / hidden * gate_logit_stride]);
-        const float gate =
-            berrylm::round_to<T>(__fdiv_rn(1.0f, __fadd_rn(expf(-logit), 1.0f)));
-        const float gated = berrylm::round_to<T>(__fmul_rn(gate, berrylm::to_f32(shared[i])));
-        const float moe = berrylm::round_to<T>(__fadd_rn(berrylm::to_f32(routed[i]), gated));
-        out[i] = berrylm::from_f32<T>(__fadd_rn(berrylm::to_f32(residual[i]), moe));
+        out[i] = berrylm::moe_residual<T>(
+            berrylm::to_f32(residual[i]), berrylm::to_f32(routed[i]), berrylm::to_f32(shared[i]),
+            berrylm::to_f32(gate_logit[i / hidden * gate_logit_stride]));
     }
 }
 

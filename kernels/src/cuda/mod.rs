@@ -96,7 +96,7 @@ pub(crate) use conv::{causal_conv1d, causal_conv1d_in_pool};
 pub(crate) use gate::kda_beta;
 pub(crate) use gate_mul::sigmoid_gate_mul;
 pub(crate) use mlp::swiglu;
-pub(crate) use moe::{moe_experts, moe_experts_quantized};
+pub(crate) use moe::{moe_block_decode, moe_experts, moe_experts_quantized};
 pub(crate) use norm::offset_rms_norm;
 pub(crate) use quantized::{dense_matmul, quantized_matmul};
 pub(crate) use recurrence::{kda_recurrence, kda_recurrence_in_pool};

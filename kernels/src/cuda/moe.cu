@@ -216,6 +216,40 @@ __global__ void __launch_bounds__(kThreads)
     }
 }
 
+constexpr uint32_t kUnusedSlot = 0xffffffffu;
+
+// A token's slots s < top_k (its ids `token_ids`) ordered by expert id, as
+// keys id * MAX_K + s in key[0..MAX_K) (a sorting network in registers, so
+// that the loads they lead to do not wait on one another); a slot whose id is
+// at or above `experts`, and the keys past top_k, are kUnusedSlot, last.
+template <int MAX_K>
+__device__ __forceinline__ void sorted_slots(const uint32_t* __restrict__ token_ids, int top_k,
+                                             int experts, uint32_t (&key)[MAX_K]) {
+#pragma unroll
+    for (int s = 0; s < MAX_K; ++s) {
+        const uint32_t id = s < top_k ? token_ids[s] : kUnusedSlot;
+        key[s] = id < static_cast<uint32_t>(experts) ? id * MAX_K + s : kUnusedSlot;
+    }
+#pragma unroll
+    for (int pass = 0; pass < MAX_K; ++pass) {
+#pragma unroll
+        for (int s = pass & 1; s + 1 < MAX_K; s += 2) {
+            if (key[s] > key[s + 1]) {
+                const uint32_t k = key[s];
+                key[s] = key[s + 1];
+                key[s + 1] = k;
+            }
+        }
+    }
+}
+
+// Whether sorted slot j counts: a valid id, not the repeat of the one before.
+template <int MAX_K>
+__device__ __forceinline__ bool counted_slot(const uint32_t (&key)[MAX_K], int j) {
+    const bool repeated = j > 0 && key[j - 1] / MAX_K == key[j] / MAX_K;
+    return key[j] != kUnusedSlot && !repeated;
+}
+
 // y[n, i .. i + VEC): the token's terms round_x(w * out_e) added in
 // increasing expert id, each addition rounded; one thread per VEC
 // consecutive columns of a token (16-byte loads and stores when VEC > 1).
@@ -224,15 +258,12 @@ __global__ void __launch_bounds__(kThreads)
 // is row `rows[r]` when `rows` is given (outputs grouped by expert), else
 // row r.
 //
-// A thread orders the token's slots in registers (a sorting network over
-// MAX_K >= top_k keys id * MAX_K + slot), so that its loads of the experts'
-// outputs do not wait on one another.
+// A thread orders the token's slots in registers (sorted_slots).
 template <typename T, int VEC, int MAX_K>
 __global__ void combine_kernel(const T* __restrict__ expert_out, const float* __restrict__ weights,
                                const uint32_t* __restrict__ ids, const uint32_t* __restrict__ rows,
                                T* __restrict__ y, long long total, int top_k, int experts,
                                int hidden) {
-    constexpr uint32_t kUnused = 0xffffffffu;
     const int groups = hidden / VEC;
     const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
     for (long long index = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -240,27 +271,11 @@ __global__ void combine_kernel(const T* __restrict__ expert_out, const float* __
         const long long token = index / groups;
         const int i = static_cast<int>(index % groups) * VEC;
         uint32_t key[MAX_K];
-#pragma unroll
-        for (int s = 0; s < MAX_K; ++s) {
-            const uint32_t id = s < top_k ? ids[token * top_k + s] : kUnused;
-            key[s] = id < static_cast<uint32_t>(experts) ? id * MAX_K + s : kUnused;
-        }
-#pragma unroll
-        for (int pass = 0; pass < MAX_K; ++pass) {
-#pragma unroll
-            for (int s = pass & 1; s + 1 < MAX_K; s += 2) {
-                if (key[s] > key[s + 1]) {
-                    const uint32_t k = key[s];
-                    key[s] = key[s + 1];
-                    key[s + 1] = k;
-                }
-            }
-        }
+        sorted_slots<MAX_K>(ids + token * top_k, top_k, experts, key);
         float acc[VEC] = {};
 #pragma unroll
         for (int j = 0; j < MAX_K; ++j) {
-            const bool repeated = j > 0 && key[j - 1] / MAX_K == key[j] / MAX_K;
-            if (key[j] == kUnused || repeated) continue;
+            if (!counted_slot<MAX_K>(key, j)) continue;
             const long long routed_row = token * top_k + key[j] % MAX_K;
             const long long out_row = rows != nullptr ? rows[routed_row] : routed_row;
             const float weight = weights[routed_row];
@@ -324,6 +339,113 @@ int launch_combine(const T* expert_out, const float* weights, const uint32_t* id
     return berrylm::launch_status();
 }
 
+// The shared expert of a MoE block as the block output kernel reads it:
+// its packed gate | up projection (row n `gate_up_stride` elements after row
+// n - 1), its down projection [hidden, inter] and the gate's logit (row n
+// `gate_logit_stride` elements after row n - 1).
+template <typename T>
+struct SharedExpert {
+    const T* gate_up;
+    long long gate_up_stride;
+    const T* down;
+    int inter;
+    const T* gate_logit;
+    long long gate_logit_stride;
+};
+
+// The residual stream after the MoE block, y[n, i] for the block's columns
+// i, one warp each (berrylm::moe_residual of):
+//   routed = the token's terms round_x(w * round_x(W_d[e] row i . h[r]))
+//            added in increasing expert id (combine_kernel's order and
+//            rounding), r = n * top_k + s the routed row of slot s
+//   shared = round_x(W_sd row i . swiglu(shared gate | up of token n))
+// The warp reads down row i of each of the token's experts and of the shared
+// expert together, VEC elements a lane at a time (all MAX_K rows' loads in
+// flight at once), and applies the shared expert's SwiGLU (mlp.cu's rounding)
+// to its gate and up columns as it reads them.
+template <typename T, int VEC, int MAX_K>
+__global__ void __launch_bounds__(kThreads)
+    block_output_kernel(const T* __restrict__ h, const float* __restrict__ weights,
+                        const uint32_t* __restrict__ ids, const T* __restrict__ down,
+                        const SharedExpert<T> shared, const T* __restrict__ residual,
+                        T* __restrict__ y, int tokens, int top_k, int experts, int hidden,
+                        int inter) {
+    const int lane = threadIdx.x & 31;
+    const int i = blockIdx.x * kWarps + (threadIdx.x >> 5);
+    if (i >= hidden) return;
+    const int pieces = inter / VEC;
+    const int shared_pieces = shared.inter / VEC;
+    const T* shared_row = shared.down + static_cast<long long>(i) * shared.inter;
+    for (int n = 0; n < tokens; ++n) {
+        uint32_t key[MAX_K];
+        sorted_slots<MAX_K>(ids + static_cast<long long>(n) * top_k, top_k, experts, key);
+        // A slot that does not count reads the first slot's rows (whose
+        // products it discards), so that every load is issued unconditionally.
+        bool counted[MAX_K];
+        const T* down_rows[MAX_K];
+        const T* h_rows[MAX_K];
+        float sum[MAX_K];
+#pragma unroll
+        for (int j = 0; j < MAX_K; ++j) {
+            counted[j] = counted_slot<MAX_K>(key, j);
+            const uint32_t slot_key = counted[j] ? key[j] : key[0];
+            down_rows[j] = down + (static_cast<long long>(slot_key / MAX_K) * hidden + i) * inter;
+            h_rows[j] = h + (static_cast<long long>(n) * top_k + slot_key % MAX_K) * inter;
+            sum[j] = 0.0f;
+        }
+        const T* gate_up = shared.gate_up + static_cast<long long>(n) * shared.gate_up_stride;
+        float shared_sum = 0.0f;
+        for (int p = lane; p < max(pieces, shared_pieces); p += 32) {
+            if (p < pieces) {
+#pragma unroll
+                for (int j = 0; j < MAX_K; ++j) {
+                    float w[VEC];
+                    float x[VEC];
+                    berrylm::rows::load_vec<T, VEC>(down_rows[j] + p * VEC, w);
+                    berrylm::rows::load_vec<T, VEC>(h_rows[j] + p * VEC, x);
+#pragma unroll
+                    for (int v = 0; v < VEC; ++v) sum[j] = fmaf(w[v], x[v], sum[j]);
+                }
+            }
+            if (p < shared_pieces) {
+                float w[VEC];
+                float gate[VEC];
+                float up[VEC];
+                berrylm::rows::load_vec<T, VEC>(shared_row + p * VEC, w);
+                berrylm::rows::load_vec<T, VEC>(gate_up + p * VEC, gate);
+                berrylm::rows::load_vec<T, VEC>(gate_up + shared.inter + p * VEC, up);
+#pragma unroll
+                for (int v = 0; v < VEC; ++v) {
+                    const float activated = berrylm::round_to<T>(berrylm::silu(gate[v]));
+                    const float hv = berrylm::round_to<T>(__fmul_rn(activated, up[v]));
+                    shared_sum = fmaf(w[v], hv, shared_sum);
+                }
+            }
+        }
+        float routed = 0.0f;
+#pragma unroll
+        for (int j = 0; j < MAX_K; ++j) {
+            if (!counted[j]) continue;
+            const float out = berrylm::round_to<T>(berrylm::warp_sum(sum[j]));
+            const float weight = weights[static_cast<long long>(n) * top_k + key[j] % MAX_K];
+            routed = berrylm::round_to<T>(
+                __fadd_rn(routed, berrylm::round_to<T>(__fmul_rn(weight, out))));
+        }
+        const float shared_out = berrylm::round_to<T>(berrylm::warp_sum(shared_sum));
+        if (lane == 0) {
+            const long long index = static_cast<long long>(n) * hidden + i;
+            y[index] = berrylm::moe_residual<T>(
+                berrylm::to_f32(residual[index]), routed, shared_out,
+                berrylm::to_f32(shared.gate_logit[n * shared.gate_logit_stride]));
+        }
+    }
+}
+
+// The most experts per token the block output kernel takes, and a smaller
+// instance for blocks of few experts per token (every slot up to MAX_K is read).
+constexpr int kMaxBlockTopK = 8;
+constexpr int kFewTopK = 4;
+
 // Both projections of the routed rows, the expert weights in the row format
 // `Rows`. A single token's experts each have one row (top-k ids are
 // distinct), so they run in the kernels for one row per group.
@@ -366,6 +488,45 @@ int launch(const void* x, const float* weights, const uint32_t* ids, const void*
     }
     return launch_combine<T>(ep, weights, ids, nullptr, static_cast<T*>(y), tokens, top_k,
                              experts, hidden, stream);
+}
+
+// The MoE block of a decode step: gate_up_kernel, then block_output_kernel
+// (16-byte loads when the widths and the pointers allow).
+template <typename T>
+int launch_block(const T* x, const float* weights, const uint32_t* ids, const T* gate_up,
+                 const T* down, const SharedExpert<T>& shared, const T* residual, T* h, T* y,
+                 int tokens, int top_k, int experts, int hidden, int inter, cudaStream_t stream) {
+    constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+    const int routed = tokens * top_k;
+    const bool vectorized = hidden % kVec == 0 && inter % kVec == 0 && shared.inter % kVec == 0 &&
+                            shared.gate_up_stride % kVec == 0 && aligned16(x) &&
+                            aligned16(gate_up) && aligned16(down) && aligned16(h) &&
+                            aligned16(shared.gate_up) && aligned16(shared.down);
+    const int by_row = routed < experts ? 1 : 0;
+    const unsigned int candidates = static_cast<unsigned int>(by_row ? routed : experts);
+    const dim3 gate_up_grid(candidates, (inter + kRowsPerBlock - 1) / kRowsPerBlock);
+    const unsigned int output_blocks = static_cast<unsigned int>((hidden + kWarps - 1) / kWarps);
+    const auto run = [&](auto vec) {
+        constexpr int kV = decltype(vec)::value;
+        using Rows = berrylm::rows::DenseRows<T, kV>;
+        berrylm::rows::with_group_size(tokens, [&](auto group) {
+            gate_up_kernel<T, Rows, decltype(group)::value><<<gate_up_grid, kThreads, 0, stream>>>(
+                x, ids, gate_up, h, routed, top_k, experts, hidden, inter, by_row);
+        });
+        if (top_k <= kFewTopK) {
+            block_output_kernel<T, kV, kFewTopK><<<output_blocks, kThreads, 0, stream>>>(
+                h, weights, ids, down, shared, residual, y, tokens, top_k, experts, hidden, inter);
+        } else {
+            block_output_kernel<T, kV, kMaxBlockTopK><<<output_blocks, kThreads, 0, stream>>>(
+                h, weights, ids, down, shared, residual, y, tokens, top_k, experts, hidden, inter);
+        }
+    };
+    if (vectorized) {
+        run(std::integral_constant<int, kVec>{});
+    } else {
+        run(std::integral_constant<int, 1>{});
+    }
+    return berrylm::launch_status();
 }
 
 // The routed experts with weights in GGUF blocks (`Rows`): x and h 16-byte
@@ -447,6 +608,40 @@ extern "C" int berrylm_moe_combine(int dtype, const void* expert_out, const floa
     BERRYLM_DISPATCH_DTYPE(dtype, T, {
         return launch_combine<T>(static_cast<const T*>(expert_out), weights, ids, rows,
                                  static_cast<T*>(y), tokens, top_k, experts, hidden, s);
+    });
+    return 0;
+}
+
+// The residual stream after a MoE block of a decode step: the routed experts
+// of berrylm_moe_experts (`gate_up` [experts, 2 * inter, hidden], `down`
+// [experts, hidden, inter]) and the gated shared expert (`shared_gate_up`
+// rows [2 * shared_inter] at a stride, `shared_down` [hidden, shared_inter],
+// the gate logits at a stride) added to `residual` [tokens, hidden]. `h`
+// ([tokens * top_k, inter]) is scratch; `y` is [tokens, hidden]. At most 8
+// experts per token.
+extern "C" int berrylm_moe_block_decode(int dtype, const void* x, const float* weights,
+                                        const uint32_t* ids, const void* gate_up,
+                                        const void* down, const void* shared_gate_up,
+                                        long long shared_gate_up_stride, const void* shared_down,
+                                        int shared_inter, const void* shared_gate_logit,
+                                        long long shared_gate_logit_stride, const void* residual,
+                                        void* h, void* y, int tokens, int top_k, int experts,
+                                        int hidden, int inter, void* stream) {
+    if (tokens == 0 || hidden == 0) return 0;
+    if (!sizes_taken(tokens, top_k, experts, inter) || top_k > kMaxBlockTopK ||
+        shared_inter <= 0 || shared_gate_up_stride < 2ll * shared_inter) {
+        return static_cast<int>(cudaErrorInvalidValue);
+    }
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    BERRYLM_DISPATCH_DTYPE(dtype, T, {
+        const SharedExpert<T> shared{static_cast<const T*>(shared_gate_up), shared_gate_up_stride,
+                                     static_cast<const T*>(shared_down), shared_inter,
+                                     static_cast<const T*>(shared_gate_logit),
+                                     shared_gate_logit_stride};
+        return launch_block<T>(static_cast<const T*>(x), weights, ids,
+                               static_cast<const T*>(gate_up), static_cast<const T*>(down), shared,
+                               static_cast<const T*>(residual), static_cast<T*>(h),
+                               static_cast<T*>(y), tokens, top_k, experts, hidden, inter, s);
     });
     return 0;
 }

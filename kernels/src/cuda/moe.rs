@@ -13,7 +13,9 @@ use candle_core::{DType, Tensor};
 
 use super::quantized::{aligned16, blocks_address, gguf_code};
 use super::{c_size, dtype_code, Launch};
-use crate::moe::{MoeExpertsAlgorithm, MoeExpertsArgs, RoutedSizes};
+use crate::moe::{
+    MoeBlockInputs, MoeBlockWeights, MoeExpertsAlgorithm, MoeExpertsArgs, RoutedSizes,
+};
 use crate::{invalid_argument, KernelError, Result};
 
 const OP: &str = "moe_experts";
@@ -55,6 +57,30 @@ extern "C" {
         down: *const c_void,
         h: *mut c_void,
         expert_out: *mut c_void,
+        y: *mut c_void,
+        tokens: c_int,
+        top_k: c_int,
+        experts: c_int,
+        hidden: c_int,
+        inter: c_int,
+        stream: *mut c_void,
+    ) -> c_int;
+
+    fn berrylm_moe_block_decode(
+        dtype: c_int,
+        x: *const c_void,
+        weights: *const f32,
+        ids: *const u32,
+        gate_up: *const c_void,
+        down: *const c_void,
+        shared_gate_up: *const c_void,
+        shared_gate_up_stride: i64,
+        shared_down: *const c_void,
+        shared_inter: c_int,
+        shared_gate_logit: *const c_void,
+        shared_gate_logit_stride: i64,
+        residual: *const c_void,
+        h: *mut c_void,
         y: *mut c_void,
         tokens: c_int,
         top_k: c_int,
@@ -176,6 +202,56 @@ fn moe_experts_streamed(args: &MoeExpertsArgs<'_>) -> Result<Tensor> {
     let outputs = run_kernel!(launch => berrylm_moe_experts(
         dtype(dtype), input(x), input(weights), input(ids), input(gate_up), input(down),
         output(h), output(expert_out), output(y),
+        tokens, top_k, experts, hidden, inter
+    ))?;
+    Ok(outputs.tensor(y))
+}
+
+/// CUDA `moe_block_decode`: `moe.cu`'s `gate | up` kernel, then its block
+/// output kernel; arguments validated by the caller (`shared_inter` the
+/// shared expert's width).
+pub(crate) fn moe_block_decode(
+    inputs: &MoeBlockInputs<'_>,
+    weights: &MoeBlockWeights<'_>,
+    sizes: &RoutedSizes,
+    shared_inter: usize,
+) -> Result<Tensor> {
+    const BLOCK_OP: &str = "moe_block_decode";
+    let routed = sizes.tokens * sizes.top_k;
+    if routed > STREAMED_MAX_ROUTED_ROWS {
+        return Err(invalid_argument(
+            BLOCK_OP,
+            "ids",
+            format!("{routed} routed rows; the kernels take up to {STREAMED_MAX_ROUTED_ROWS}"),
+        ));
+    }
+    let mut launch = Launch::new(BLOCK_OP, inputs.x)?;
+    let [x, ids, residual, gate_up, down, shared_down] = launch.inputs([
+        ("x", inputs.x),
+        ("ids", inputs.ids),
+        ("residual", inputs.residual),
+        ("gate_up", weights.gate_up),
+        ("down", weights.down),
+        ("shared_down", weights.shared_down),
+    ])?;
+    let routing_weights = launch.input_as("weights", inputs.weights, DType::F32)?;
+    let (shared_gate_up, shared_gate_up_stride) =
+        launch.input_rows("shared_gate_up", inputs.shared_gate_up)?;
+    let (shared_gate_logit, shared_gate_logit_stride) =
+        launch.input_rows("shared_gate_logit", inputs.shared_gate_logit)?;
+    let dtype = launch.dtype(x);
+    // Scratch: each routed row's `h`.
+    let h = launch.output(&[routed, sizes.inter], dtype)?;
+    let y = launch.output(&[sizes.tokens, sizes.hidden], dtype)?;
+    let [tokens, top_k, experts, hidden, inter] = sizes.c_sizes()?;
+    // SAFETY (with `run_kernel!`'s): `shared_gate_up` is read as `tokens` rows of
+    // `2 * shared_inter` elements and `shared_gate_logit` as `tokens` elements, each
+    // row or element its stride apart from the one before, which their layouts span.
+    let outputs = run_kernel!(launch => berrylm_moe_block_decode(
+        dtype(dtype), input(x), input(routing_weights), input(ids), input(gate_up), input(down),
+        input(shared_gate_up), shared_gate_up_stride as i64, input(shared_down),
+        c_size(BLOCK_OP, "shared_down", shared_inter)?, input(shared_gate_logit),
+        shared_gate_logit_stride as i64, input(residual), output(h), output(y),
         tokens, top_k, experts, hidden, inter
     ))?;
     Ok(outputs.tensor(y))

@@ -1,7 +1,7 @@
 use berrylm_kernels::{
     attn_res_mix, causal_conv1d, decode_matmul, gated_rms_norm, kda_gate, kda_recurrence,
-    kda_recurrence_in_pool_with, kda_recurrence_with, moe_route, offset_rms_norm,
-    KdaPrefillAlgorithm, Result, StatePool,
+    kda_recurrence_in_pool_with, kda_recurrence_with, moe_block_decode, moe_route, offset_rms_norm,
+    KdaPrefillAlgorithm, MoeBlockInputs, MoeBlockWeights, Result, StatePool,
 };
 
 use crate::common::assert_rejects;
@@ -215,6 +215,52 @@ fn decode_matmul_rejects_bad_arguments() {
     assert_rejects(decode_matmul(&zeros(&[8]), &zeros(&[5, 8])), op, "x");
     let half = Tensor::zeros((5, 8), DType::BF16, &Device::Cpu).expect("zeros");
     assert_rejects(decode_matmul(&x, &half), op, "weight");
+}
+
+#[test]
+fn moe_block_decode_rejects_bad_arguments() {
+    // 2 tokens, 4 experts of width 3 over hidden 8, the shared expert 5 wide.
+    let (x, residual) = (zeros(&[2, 8]), zeros(&[2, 8]));
+    let ids = |top_k: usize| Tensor::zeros((2, top_k), DType::U32, &Device::Cpu).expect("ids");
+    let (gate_up, down) = (zeros(&[4, 6, 8]), zeros(&[4, 8, 3]));
+    let (shared_gate_up, shared_gate_logit) = (zeros(&[2, 10]), zeros(&[2, 1]));
+    let half_logit = Tensor::zeros((2, 1), DType::BF16, &Device::Cpu).expect("zeros");
+    let call = |top_k: usize,
+                shared_gate_up: &Tensor,
+                shared_gate_logit: &Tensor,
+                shared_down: &Tensor| {
+        moe_block_decode(
+            &MoeBlockInputs {
+                x: &x,
+                residual: &residual,
+                weights: &zeros(&[2, top_k]),
+                ids: &ids(top_k),
+                shared_gate_up,
+                shared_gate_logit,
+            },
+            &MoeBlockWeights {
+                gate_up: &gate_up,
+                down: &down,
+                shared_down,
+            },
+        )
+    };
+    let op = "moe_block_decode";
+    let shared_down = zeros(&[8, 5]);
+    let (gu, gl) = (&shared_gate_up, &shared_gate_logit);
+    assert_rejects(call(9, gu, gl, &shared_down), op, "ids");
+    assert_rejects(call(2, gu, gl, &zeros(&[7, 5])), op, "shared_down");
+    assert_rejects(
+        call(2, &zeros(&[2, 8]), gl, &shared_down),
+        op,
+        "shared_gate_up",
+    );
+    assert_rejects(
+        call(2, gu, &half_logit, &shared_down),
+        op,
+        "shared_gate_logit",
+    );
+    assert!(call(2, gu, gl, &shared_down).is_ok());
 }
 
 #[test]

@@ -7,7 +7,9 @@
 //! experts' weights live in the host's fused MoE and
 //! `berrylm_kernels::moe_experts` runs on them (the reference's rounding and
 //! order of accumulation: decode steps in its own kernels, prompts as grouped
-//! tensor-core GEMMs); otherwise (the CPU, f32, or sizes the host's fused
+//! tensor-core GEMMs; a decode step's whole block, the shared expert and the
+//! residual add included, in two launches: `berrylm_kernels::moe_block_decode`);
+//! otherwise (the CPU, f32, or sizes the host's fused
 //! layout does not take) the ids and weights are read back once and each
 //! chosen expert runs on its tokens: on the CPU in f32, the exact oracle of
 //! the reference. The router, the shared expert's input projections and its
@@ -27,6 +29,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use berrylm_kernels::{
+    MoeBlockInputs, MoeBlockWeights, MoeExpertsAlgorithm, MOE_BLOCK_DECODE_MAX_TOP_K,
+};
 use candle_core::{DType, IndexOp, Module, Result, Tensor};
 use mistralrs_core::layers::Activation;
 use mistralrs_core::plugin_api::{MoEExperts, MoEExpertsConfig};
@@ -244,6 +249,17 @@ impl SparseMoe {
         let shared_gate_logit = projected.part(3)?;
         let (weights, ids) =
             berrylm_kernels::moe_route(&router_logits, self.top_k, self.norm_topk_prob, dtype)?;
+        if let Some(block_weights) = self.decode_block_weights(rows * seq_len) {
+            let inputs = MoeBlockInputs {
+                x: &flat,
+                residual,
+                weights: &weights,
+                ids: &ids,
+                shared_gate_up: &shared_gate_up,
+                shared_gate_logit: &shared_gate_logit,
+            };
+            return Ok(berrylm_kernels::moe_block_decode(&inputs, &block_weights)?);
+        }
         let routed_out = match &self.experts {
             // BerryLM's experts on the host's weights, rounded like the
             // reference: decode steps in its own kernels, prompts as grouped
@@ -303,6 +319,30 @@ impl SparseMoe {
             &shared,
             &shared_gate_logit,
         )?)
+    }
+}
+
+impl SparseMoe {
+    /// The weights [`berrylm_kernels::moe_block_decode`] runs the block of
+    /// `tokens` tokens on, when it does: a decode step (the routed rows that
+    /// [`MoeExpertsAlgorithm::Streamed`] takes) on the host's fused expert
+    /// weights (CUDA, f16/bf16, nothing quantized) with a full-precision
+    /// shared expert, at most [`MOE_BLOCK_DECODE_MAX_TOP_K`] experts a token.
+    fn decode_block_weights(&self, tokens: usize) -> Option<MoeBlockWeights<'_>> {
+        let Experts::Fused(experts) = &self.experts else {
+            return None;
+        };
+        let streamed =
+            MoeExpertsAlgorithm::for_rows(tokens * self.top_k) == MoeExpertsAlgorithm::Streamed;
+        if !streamed || self.top_k > MOE_BLOCK_DECODE_MAX_TOP_K {
+            return None;
+        }
+        let (gate_up, down) = experts.fused_weights()?;
+        Some(MoeBlockWeights {
+            gate_up,
+            down,
+            shared_down: self.shared_down.full_precision_weight()?,
+        })
     }
 }
 

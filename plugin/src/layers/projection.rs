@@ -615,6 +615,15 @@ impl Projection {
     pub fn full_precision_tensors(&self, out: &mut Vec<(String, Tensor)>) -> Result<()> {
         self.0.full_precision_tensors(out)
     }
+
+    /// Its weight `[out, in]`, when it is kept in full precision (not a host
+    /// layer) and has no bias.
+    pub fn full_precision_weight(&self) -> Option<&Tensor> {
+        match self.0.segments.as_slice() {
+            [Segment::Stacked { linear, .. }] if linear.bias().is_none() => Some(linear.weight()),
+            _ => None,
+        }
+    }
 }
 
 impl Module for Projection {
