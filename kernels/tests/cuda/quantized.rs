@@ -133,25 +133,35 @@ fn quantized_matmul_with_dense_matches_cpu() -> Result<()> {
 }
 
 /// Decode-step projections of BerryLM-OS (the KDA in-projection's 12,448
-/// rows, `out_proj`'s 4096-wide input, the shared expert's down projection)
-/// and small, odd widths (the scalar path), at batches 1, 5 and 11, from a
-/// view one element into its storage.
+/// rows, one warp a column; `out_proj`'s 4096-wide input and the MoE's
+/// stacked input projection, several warps a column; the shared expert's
+/// down projection) and small, odd widths, at batches 1, 5 and 11, with `x`
+/// 16-byte aligned (the vector path where the width allows) and a view one
+/// element into its storage (the scalar path).
 #[test]
 fn decode_matmul_matches_cpu() -> Result<()> {
     let mut seed = 3300;
+    let shapes = [
+        [12448, HIDDEN],
+        [HIDDEN, 4096],
+        [1160, HIDDEN],
+        [HIDDEN, 512],
+        [7, 37],
+    ];
     for dtype in ALL_DTYPES {
-        for tokens in [1, 5, 11] {
-            for [out_dim, in_dim] in [[12448, HIDDEN], [HIDDEN, 4096], [HIDDEN, 512], [7, 37]] {
+        for (tokens, offset) in [(1, 0), (1, 1), (5, 0), (11, 1)] {
+            for [out_dim, in_dim] in shapes {
                 let rng = &mut Rng::new(seed);
                 seed += 1;
-                let x = random(rng, &[tokens * in_dim + 1], -2.0, 2.0, dtype)?
-                    .narrow(0, 1, tokens * in_dim)?
+                let x = random(rng, &[tokens * in_dim + offset], -2.0, 2.0, dtype)?
+                    .narrow(0, offset, tokens * in_dim)?
                     .reshape((tokens, in_dim))?;
                 let weight = random(rng, &[out_dim, in_dim], -0.05, 0.05, dtype)?;
                 let cpu = decode_matmul(&x, &weight)?;
                 let dev = gpu();
                 let cuda = decode_matmul(&to_gpu(&x, &dev)?, &to_gpu(&weight, &dev)?)?;
-                let what = format!("decode_matmul N={tokens} [{out_dim}, {in_dim}] {dtype:?}");
+                let what =
+                    format!("decode_matmul N={tokens} [{out_dim}, {in_dim}] +{offset} {dtype:?}");
                 within(&what, &cuda, &cpu, tolerance(dtype))?;
             }
         }
