@@ -17,6 +17,7 @@
 //! | [`add_offset_rms_norm`] | 3.1, 3.3 | a residual add and the `(1 + w)` RMSNorm of its result, one launch |
 //! | [`offset_rms_norm_rope`] | 3.5 step 2-3 | the q/k `(1 + w)` RMSNorm followed by the partial NeoX rotary embedding |
 //! | [`causal_attention`] | 3.5 step 4 | causal GQA `softmax(q k^T * scale) v` over a prompt (FlashAttention-style tensor-core kernel on CUDA) |
+//! | [`paged_decode_attention`] | 3.5 step 4 | a decode step's attention over the host's paged KV blocks (split-KV kernel on CUDA) |
 //! | [`sigmoid_gate_mul`] | 3.5 step 5 | the attention output times the sigmoid of its gate |
 //! | [`moe_route`] | 3.7 | MoE router: softmax, top-k with `torch.topk`'s order, optional renormalisation |
 //! | [`moe_experts`] | 3.7 step 3 | the routed experts' weighted sum, accumulated in expert order (decode kernels; grouped GEMMs for prompts on CUDA) |
@@ -79,6 +80,7 @@ mod gate_mul;
 mod mlp;
 mod moe;
 mod norm;
+mod paged_attention;
 mod quantized;
 mod recurrence;
 mod rope;
@@ -98,6 +100,7 @@ pub use moe::{
     MoeBlockWeights, MoeExpertsAlgorithm, MOE_BLOCK_DECODE_MAX_TOP_K,
 };
 pub use norm::{add_offset_rms_norm, gated_rms_norm, offset_rms_norm};
+pub use paged_attention::{paged_decode_attention, paged_decode_attention_takes, PagedKv};
 pub use quantized::{
     decode_matmul, quantized_matmul, quantized_matmul_with_dense, takes_gguf_dtype,
 };

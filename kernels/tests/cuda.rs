@@ -16,6 +16,9 @@ mod common;
 #[path = "cuda/attention.rs"]
 mod attention;
 
+#[path = "cuda/paged_attention.rs"]
+mod paged_attention;
+
 #[path = "cuda/quantized.rs"]
 mod quantized;
 

@@ -85,6 +85,7 @@ mod gate_mul;
 mod mlp;
 mod moe;
 mod norm;
+mod paged_attention;
 mod quantized;
 mod recurrence;
 mod rope;
@@ -98,6 +99,7 @@ pub(crate) use gate_mul::sigmoid_gate_mul;
 pub(crate) use mlp::swiglu;
 pub(crate) use moe::{moe_block_decode, moe_experts, moe_experts_quantized};
 pub(crate) use norm::offset_rms_norm;
+pub(crate) use paged_attention::paged_decode_attention;
 pub(crate) use quantized::{dense_matmul, quantized_matmul};
 pub(crate) use recurrence::{kda_recurrence, kda_recurrence_in_pool};
 

@@ -104,3 +104,74 @@ pub fn pool_rows(pool: &Tensor, slots: &[u32]) -> Result<Tensor> {
         .collect::<candle_core::Result<Vec<_>>>()?;
     Ok(Tensor::cat(&rows, 0)?)
 }
+
+/// A paged KV cache holding the keys and values of a batch of sequences, in
+/// the host's layout (`berrylm_kernels::PagedKv`), built element by element
+/// from that layout's definition.
+pub struct PagedCache {
+    /// `[blocks, kv_heads, D / X, block_size, X]`.
+    pub key_cache: Tensor,
+    /// `[blocks, kv_heads, D, block_size]`.
+    pub value_cache: Tensor,
+    /// `[N, max_blocks]` `u32`.
+    pub block_tables: Tensor,
+    /// `[N]` `u32`.
+    pub context_lens: Tensor,
+}
+
+/// Scatters `keys[n]` and `values[n]` (`[kv_heads, L_n, D]` CPU tensors of
+/// one dtype) into a paged cache of `blocks` blocks of `block_size` tokens,
+/// the blocks of every sequence drawn from `rng` without repetition, each
+/// table row `max_blocks` wide (unused entries name block 0); every slot no
+/// sequence uses holds a random value, so that a read of the wrong slot shows.
+pub fn paged_cache(
+    rng: &mut Rng,
+    keys: &[Tensor],
+    values: &[Tensor],
+    block_size: usize,
+    blocks: usize,
+    max_blocks: usize,
+) -> Result<PagedCache> {
+    let dtype = keys[0].dtype();
+    let (kv_heads, _, head_dim) = keys[0].dims3()?;
+    let x = 16 / dtype.size_in_bytes();
+    let mut key_cache = rng.uniform_vec(blocks * kv_heads * head_dim * block_size, -9.0, 9.0);
+    let mut value_cache = rng.uniform_vec(key_cache.len(), -9.0, 9.0);
+    let mut free: Vec<u32> = (0..blocks as u32).collect();
+    let mut tables = Vec::new();
+    let mut context_lens = Vec::new();
+    for (k, v) in keys.iter().zip(values) {
+        let len = k.dim(1)?;
+        let (k, v) = (f32_values(k)?, f32_values(v)?);
+        let mut table = vec![0u32; max_blocks];
+        for entry in table.iter_mut().take(len.div_ceil(block_size)) {
+            let pick = (rng.uniform(0.0, free.len() as f32) as usize).min(free.len() - 1);
+            *entry = free.swap_remove(pick);
+        }
+        for h in 0..kv_heads {
+            for t in 0..len {
+                let (block, slot) = (table[t / block_size] as usize, t % block_size);
+                for d in 0..head_dim {
+                    let source = (h * len + t) * head_dim + d;
+                    let key_index =
+                        (((block * kv_heads + h) * (head_dim / x) + d / x) * block_size + slot) * x
+                            + d % x;
+                    key_cache[key_index] = k[source];
+                    let value_index = ((block * kv_heads + h) * head_dim + d) * block_size + slot;
+                    value_cache[value_index] = v[source];
+                }
+            }
+        }
+        tables.extend(table);
+        context_lens.push(len as u32);
+    }
+    let sequences = keys.len();
+    Ok(PagedCache {
+        key_cache: tensor(key_cache, &[blocks, kv_heads, head_dim / x, block_size, x])?
+            .to_dtype(dtype)?,
+        value_cache: tensor(value_cache, &[blocks, kv_heads, head_dim, block_size])?
+            .to_dtype(dtype)?,
+        block_tables: Tensor::from_vec(tables, (sequences, max_blocks), &Device::Cpu)?,
+        context_lens: Tensor::from_vec(context_lens, sequences, &Device::Cpu)?,
+    })
+}

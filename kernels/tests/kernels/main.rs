@@ -10,6 +10,7 @@ mod gate_mul;
 mod mlp;
 mod moe;
 mod norm;
+mod paged_attention;
 mod recurrence;
 mod rope;
 mod route;

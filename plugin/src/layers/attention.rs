@@ -8,9 +8,13 @@
 //! (tiled, no score matrix in memory) over the contiguous cache, and over the
 //! prompt's own keys and values under paged attention (a prompt without a
 //! cached prefix; prefix hits take the host's path, which gathers the cached
-//! blocks). The CPU and f32 keep the reference's eager attention.
+//! blocks), and a decode step's attention over the paged blocks is
+//! `berrylm_kernels::paged_decode_attention` (split-KV). The CPU and f32 keep
+//! the reference's eager attention.
 
-use candle_core::{DType, Device, Module, Result, Tensor};
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, DeviceLocation, Module, Result, Tensor};
 use candle_nn::ops::softmax_last_dim;
 use mistralrs_core::plugin_api::{
     FlashParams, KvCache, PagedAttention, PagedAttentionInputMetadata, SdpaParams,
@@ -145,7 +149,7 @@ impl GatedAttention {
             (q, None)
         };
         let v_tokens = v.reshape((batch, seq_len, self.num_kv_heads, self.head_dim))?;
-        let q = self.q_norm.forward_rope(&q, cos, sin)?;
+        let q_tokens = self.q_norm.forward_rope(&q, cos, sin)?;
         let k_tokens = self.k_norm.forward_rope(
             &k.reshape((batch, seq_len, self.num_kv_heads, self.head_dim))?,
             cos,
@@ -154,7 +158,7 @@ impl GatedAttention {
 
         // Head-major views of the token-major rows: the tiled attention reads
         // them in place, the other paths take contiguous copies.
-        let q = q.transpose(1, 2)?;
+        let q = q_tokens.transpose(1, 2)?;
         let k = k_tokens.transpose(1, 2)?;
         let v = v_tokens.transpose(1, 2)?;
         let attended = match (kv, &self.paged) {
@@ -169,6 +173,9 @@ impl GatedAttention {
                 if tiled && is_uncached_prompt(mask, metadata) {
                     write_paged_cache(&k_tokens, &v_tokens, &key_value, metadata)?;
                     self.causal_attention(&q, &k, &v)?
+                } else if tiled && seq_len == 1 && self.decodes_paged(&key_value.0, metadata)? {
+                    write_paged_cache(&k_tokens, &v_tokens, &key_value, metadata)?;
+                    self.paged_decode_attention(&q_tokens, &key_value, metadata)?
                 } else {
                     paged.forward(
                         &berrylm_kernels::contiguous(&q)?,
@@ -212,6 +219,66 @@ impl GatedAttention {
         };
         self.o_proj
             .forward(&out.reshape((batch, seq_len, self.num_heads * self.head_dim))?)
+    }
+
+    /// Whether a decode step (one token a sequence, after the prompt) runs
+    /// `berrylm_kernels::paged_decode_attention` over `key_cache`'s blocks:
+    /// when its CUDA kernel takes this layer's sizes.
+    fn decodes_paged(
+        &self,
+        key_cache: &Tensor,
+        metadata: &PagedAttentionInputMetadata,
+    ) -> Result<bool> {
+        Ok(!metadata.is_first_prompt_chunk
+            && metadata.num_cached_tokens.is_none()
+            && berrylm_kernels::paged_decode_attention_takes(
+                key_cache.dtype(),
+                self.head_dim,
+                self.num_heads,
+                self.num_kv_heads,
+                key_cache.dim(3)?,
+            ))
+    }
+
+    /// The attention of each sequence's one new token (`q_tokens`
+    /// `[B, 1, heads, hd]`, its key and value already in the blocks) over
+    /// its paged KV, `[B, heads, hd]`: the block tables and context lengths
+    /// of the whole context (the full tables where the host keeps windowed
+    /// ones too), on the layer's device.
+    fn paged_decode_attention(
+        &self,
+        q_tokens: &Tensor,
+        (key_cache, value_cache): &(Tensor, Tensor),
+        metadata: &PagedAttentionInputMetadata,
+    ) -> Result<Tensor> {
+        let location = q_tokens.device().location();
+        let block_tables = on_device(
+            metadata
+                .full_block_tables
+                .as_ref()
+                .or(metadata.block_tables.as_ref()),
+            &location,
+            "block tables",
+        )?;
+        let context_lens = on_device(
+            metadata
+                .full_context_lens
+                .as_ref()
+                .or(metadata.context_lens.as_ref()),
+            &location,
+            "context lengths",
+        )?;
+        let (batch, _, heads, head_dim) = q_tokens.dims4()?;
+        Ok(berrylm_kernels::paged_decode_attention(
+            &q_tokens.reshape((batch, heads, head_dim))?,
+            &berrylm_kernels::PagedKv {
+                key_cache,
+                value_cache,
+                block_tables,
+                context_lens,
+            },
+            self.sdpa_params.softmax_scale,
+        )?)
     }
 
     /// Causal attention of the last `T` of `L` positions (queries `[B, heads,
@@ -283,6 +350,18 @@ impl GatedAttention {
         let probs = softmax_last_dim(&scores.to_dtype(DType::F32)?)?.to_dtype(q.dtype())?;
         matmul(&probs, v)?.reshape((batch, heads, queries, head_dim))
     }
+}
+
+/// The tensor of a per-device map of the paged metadata (`what` names it in
+/// the error) for `location`.
+fn on_device<'a>(
+    tensors: Option<&'a HashMap<DeviceLocation, Tensor>>,
+    location: &DeviceLocation,
+    what: &str,
+) -> Result<&'a Tensor> {
+    tensors
+        .and_then(|tensors| tensors.get(location))
+        .ok_or_else(|| candle_core::Error::Msg(format!("no paged {what} for this device")))
 }
 
 /// Whether a prompt's attention runs tiled (`berrylm_kernels::causal_attention`):
