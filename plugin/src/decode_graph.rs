@@ -48,7 +48,7 @@ use crate::model::{
 const MAX_GRAPHS: usize = 64;
 
 /// The smallest context a key rounds up to, in tokens (the partition size of
-/// the host's paged attention kernel).
+/// the paged decode attention kernels, BerryLM's and the host's).
 const MIN_CONTEXT: usize = 512;
 
 const MIB: f64 = (1u64 << 20) as f64;
