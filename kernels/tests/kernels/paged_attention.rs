@@ -73,41 +73,34 @@ fn bad_arguments_are_rejected_with_the_argument_named() -> Result<()> {
         assert_rejects(paged_decode_attention(&q, &kv, 0.25), op, "context_lens");
     }
     let bad_table = Tensor::new(&[[0u32, 9, 1]], &Device::Cpu)?;
-    let kv_bad_table = PagedKv {
-        block_tables: &bad_table,
-        ..kv(&cache)
-    };
-    assert_rejects(
-        paged_decode_attention(&q, &kv_bad_table, 0.25),
-        op,
-        "block_tables",
-    );
-    let three_heads = random(&mut rng, &[1, 3, 16], DType::F32)?;
-    assert_rejects(
-        paged_decode_attention(&three_heads, &kv(&cache), 0.25),
-        op,
-        "key_cache",
-    );
-    let half_q = q.to_dtype(DType::BF16)?;
-    assert_rejects(
-        paged_decode_attention(&half_q, &kv(&cache), 0.25),
-        op,
-        "key_cache",
-    );
     let flat_values = cache.value_cache.flatten(2, 3)?;
-    let kv_flat = PagedKv {
-        value_cache: &flat_values,
-        ..kv(&cache)
-    };
-    assert_rejects(
-        paged_decode_attention(&q, &kv_flat, 0.25),
-        op,
-        "value_cache",
-    );
-    assert_rejects(
-        paged_decode_attention(&q, &kv(&cache), f32::NAN),
-        op,
-        "softmax_scale",
-    );
+    let three_heads = random(&mut rng, &[1, 3, 16], DType::F32)?;
+    let half_q = q.to_dtype(DType::BF16)?;
+    let cases = [
+        (
+            &q,
+            PagedKv {
+                block_tables: &bad_table,
+                ..kv(&cache)
+            },
+            0.25,
+            "block_tables",
+        ),
+        (
+            &q,
+            PagedKv {
+                value_cache: &flat_values,
+                ..kv(&cache)
+            },
+            0.25,
+            "value_cache",
+        ),
+        (&three_heads, kv(&cache), 0.25, "key_cache"),
+        (&half_q, kv(&cache), 0.25, "key_cache"),
+        (&q, kv(&cache), f32::NAN, "softmax_scale"),
+    ];
+    for (q, kv, scale, arg) in cases {
+        assert_rejects(paged_decode_attention(q, &kv, scale), op, arg);
+    }
     Ok(())
 }
