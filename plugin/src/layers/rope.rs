@@ -109,10 +109,6 @@ fn host_tables(
 mod tests {
     use super::*;
 
-    /// Rows gathered from the tables and rows computed past them are both
-    /// std's f32 cos/sin of `position * inv_freq[j]`, with transformers'
-    /// `inv_freq = 1 / theta^(2j / base_dim)`, each frequency on channel j and
-    /// j + rotary_dim/2.
     /// The bytes the loader reports for the tables are those they take, an
     /// odd base width rotating one more channel.
     #[test]
@@ -128,6 +124,10 @@ mod tests {
         }
     }
 
+    /// Rows gathered from the tables and rows computed past them are both
+    /// std's f32 cos/sin of `position * inv_freq[j]`, with transformers'
+    /// `inv_freq = 1 / theta^(2j / base_dim)`, each frequency on channel j and
+    /// j + rotary_dim/2.
     #[test]
     fn rows_inside_and_past_the_tables_are_the_angles_cos_and_sin() {
         let rope = PartialRotaryEmbedding::new(10_000.0, 8, 6, DType::F32, &Device::Cpu).unwrap();
