@@ -256,7 +256,7 @@ pub fn moe_block_decode(
     expect_dim(
         BLOCK_OP,
         "shared_down",
-        "its row width",
+        "its number of rows (the hidden size)",
         hidden,
         sizes.hidden,
     )?;

@@ -145,6 +145,23 @@ struct MoeSizes {
 }
 
 impl RoutedSizes {
+    /// The routed rows `tokens * top_k`, which `moe.cu`'s streaming kernels
+    /// take up to [`STREAMED_MAX_ROUTED_ROWS`] of (an error of `op` beyond).
+    fn streamed_rows(&self, op: &'static str) -> Result<usize> {
+        let routed = self.tokens * self.top_k;
+        if routed > STREAMED_MAX_ROUTED_ROWS {
+            return Err(invalid_argument(
+                op,
+                "ids",
+                format!(
+                    "{routed} routed rows; the streaming kernels take up to \
+                     {STREAMED_MAX_ROUTED_ROWS}"
+                ),
+            ));
+        }
+        Ok(routed)
+    }
+
     /// `[tokens, top_k, experts, hidden, inter]` as the launchers take them.
     fn c_sizes(&self) -> Result<[c_int; 5]> {
         if self.top_k > MAX_TOP_K {
@@ -217,14 +234,7 @@ pub(crate) fn moe_block_decode(
     shared_inter: usize,
 ) -> Result<Tensor> {
     const BLOCK_OP: &str = "moe_block_decode";
-    let routed = sizes.tokens * sizes.top_k;
-    if routed > STREAMED_MAX_ROUTED_ROWS {
-        return Err(invalid_argument(
-            BLOCK_OP,
-            "ids",
-            format!("{routed} routed rows; the kernels take up to {STREAMED_MAX_ROUTED_ROWS}"),
-        ));
-    }
+    let routed = sizes.streamed_rows(BLOCK_OP)?;
     let mut launch = Launch::new(BLOCK_OP, inputs.x)?;
     let [x, ids, residual, gate_up, down, shared_down] = launch.inputs([
         ("x", inputs.x),
@@ -268,17 +278,7 @@ pub(crate) fn moe_experts_quantized(
     gate_up: &QTensor,
     down: &QTensor,
 ) -> Result<Tensor> {
-    let routed = sizes.tokens * sizes.top_k;
-    if routed > STREAMED_MAX_ROUTED_ROWS {
-        return Err(invalid_argument(
-            OP,
-            "ids",
-            format!(
-                "{routed} routed rows; the kernels for quantized experts take up to \
-                 {STREAMED_MAX_ROUTED_ROWS}"
-            ),
-        ));
-    }
+    let routed = sizes.streamed_rows(OP)?;
     if gate_up.dtype() != down.dtype() {
         return Err(invalid_argument(
             OP,
