@@ -34,7 +34,7 @@ use std::sync::OnceLock;
 
 use candle_core::{DType, Device, Tensor};
 
-use common::{f32_values, pool_rows, tensor, Rng};
+use common::{f32_values, pool_rows, random, tensor, Rng};
 
 const HIDDEN: usize = 2048;
 const HK: usize = 16;
@@ -61,12 +61,6 @@ fn gpu() -> Device {
 
 fn to_gpu(tensor: &Tensor, device: &Device) -> Result<Tensor> {
     Ok(tensor.to_device(device)?)
-}
-
-/// A CPU tensor of `dtype` with uniform values in `[low, high)`.
-fn random(rng: &mut Rng, dims: &[usize], low: f32, high: f32, dtype: DType) -> Result<Tensor> {
-    let len: usize = dims.iter().product();
-    Ok(tensor(rng.uniform_vec(len, low, high), dims)?.to_dtype(dtype)?)
 }
 
 /// Tolerance of a comparison: `|got - want| <= atol * max|want| + rtol * |want|`.

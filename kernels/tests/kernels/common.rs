@@ -105,6 +105,12 @@ pub fn pool_rows(pool: &Tensor, slots: &[u32]) -> Result<Tensor> {
     Ok(Tensor::cat(&rows, 0)?)
 }
 
+/// A CPU tensor of `dtype` with uniform values in `[low, high)`.
+pub fn random(rng: &mut Rng, dims: &[usize], low: f32, high: f32, dtype: DType) -> Result<Tensor> {
+    let len: usize = dims.iter().product();
+    Ok(tensor(rng.uniform_vec(len, low, high), dims)?.to_dtype(dtype)?)
+}
+
 /// A paged KV cache holding the keys and values of a batch of sequences, in
 /// the host's layout (`berrylm_kernels::PagedKv`), built element by element
 /// from that layout's definition.

@@ -4,13 +4,7 @@
 use berrylm_kernels::{causal_attention, paged_decode_attention, PagedKv, Result};
 use candle_core::{DType, Device, IndexOp, Tensor};
 
-use crate::common::{assert_identical, assert_rejects, paged_cache, tensor, PagedCache, Rng};
-
-/// `[dims]` uniform in [-2, 2) in `dtype`.
-fn random(rng: &mut Rng, dims: &[usize], dtype: DType) -> Result<Tensor> {
-    let len = dims.iter().product();
-    Ok(tensor(rng.uniform_vec(len, -2.0, 2.0), dims)?.to_dtype(dtype)?)
-}
+use crate::common::{assert_identical, assert_rejects, paged_cache, random, PagedCache, Rng};
 
 fn kv(cache: &PagedCache) -> PagedKv<'_> {
     PagedKv {
@@ -32,14 +26,14 @@ fn pages_read_as_the_contiguous_keys_and_values() -> Result<()> {
         let lens = [1, 9, 20];
         let keys: Vec<Tensor> = lens
             .iter()
-            .map(|&len| random(&mut rng, &[2, len, 16], dtype))
+            .map(|&len| random(&mut rng, &[2, len, 16], -2.0, 2.0, dtype))
             .collect::<Result<_>>()?;
         let values: Vec<Tensor> = lens
             .iter()
-            .map(|&len| random(&mut rng, &[2, len, 16], dtype))
+            .map(|&len| random(&mut rng, &[2, len, 16], -2.0, 2.0, dtype))
             .collect::<Result<_>>()?;
         let cache = paged_cache(&mut rng, &keys, &values, 4, 16, 7)?;
-        let q = random(&mut rng, &[3, 4, 16], dtype)?;
+        let q = random(&mut rng, &[3, 4, 16], -2.0, 2.0, dtype)?;
         let paged = paged_decode_attention(&q, &kv(&cache), 0.25)?;
         assert_eq!(paged.dims(), &[3, 4, 16]);
         for n in 0..3 {
@@ -58,10 +52,10 @@ fn pages_read_as_the_contiguous_keys_and_values() -> Result<()> {
 #[test]
 fn bad_arguments_are_rejected_with_the_argument_named() -> Result<()> {
     let mut rng = Rng::new(42);
-    let keys = [random(&mut rng, &[2, 5, 16], DType::F32)?];
-    let values = [random(&mut rng, &[2, 5, 16], DType::F32)?];
+    let keys = [random(&mut rng, &[2, 5, 16], -2.0, 2.0, DType::F32)?];
+    let values = [random(&mut rng, &[2, 5, 16], -2.0, 2.0, DType::F32)?];
     let cache = paged_cache(&mut rng, &keys, &values, 4, 6, 3)?;
-    let q = random(&mut rng, &[1, 4, 16], DType::F32)?;
+    let q = random(&mut rng, &[1, 4, 16], -2.0, 2.0, DType::F32)?;
     let op = "paged_decode_attention";
     let lens = |len: u32| Tensor::new(&[len], &Device::Cpu);
     // No tokens, and 13 tokens in 3 blocks of 4.
@@ -74,7 +68,7 @@ fn bad_arguments_are_rejected_with_the_argument_named() -> Result<()> {
     }
     let bad_table = Tensor::new(&[[0u32, 9, 1]], &Device::Cpu)?;
     let flat_values = cache.value_cache.flatten(2, 3)?;
-    let three_heads = random(&mut rng, &[1, 3, 16], DType::F32)?;
+    let three_heads = random(&mut rng, &[1, 3, 16], -2.0, 2.0, DType::F32)?;
     let half_q = q.to_dtype(DType::BF16)?;
     let cases = [
         (

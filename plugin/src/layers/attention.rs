@@ -390,11 +390,8 @@ fn write_paged_cache(
     (key_cache, value_cache): &(Tensor, Tensor),
     metadata: &PagedAttentionInputMetadata,
 ) -> Result<()> {
-    let slots = metadata
-        .slot_mappings
-        .get(&k_tokens.device().location())
-        .ok_or_else(|| candle_core::Error::Msg("no paged slots for this device".into()))?
-        .flatten_all()?;
+    let location = k_tokens.device().location();
+    let slots = on_device(Some(&metadata.slot_mappings), &location, "slots")?.flatten_all()?;
     let (_, _, kv_heads, head_dim) = k_tokens.dims4()?;
     let rows = ((), kv_heads, head_dim);
     mistralrs_paged_attn::reshape_and_cache(
