@@ -39,6 +39,7 @@
 // the output dtype.
 #include "mma.cuh"
 #if BERRYLM_WGMMA
+#include "tma.cuh"
 #include "wgmma.cuh"
 #endif
 
@@ -280,14 +281,19 @@ template <typename T, int D> int launch_flash(const Params& p, int batch, cudaSt
 // flash_kernel), and O += P V with P from registers (P's fragment is S's,
 // rounded to T) and V read transposed (m64n128k16 per 128 columns of O).
 //
-// The products of P V are left running into the next tile: the tensor cores
-// take them and the next S = Q K^T back to back while the warpgroups meet at
-// the tile's barrier, and one wait covers both. So that every buffer is
-// refilled only after both warpgroups have waited for the products that read
-// it, K is double buffered and V triple buffered: at tile t's barrier every
-// warpgroup has finished S of tile t - 1 and P V of tile t - 2, whose
-// buffers take K and V of tile t + 1. A warpgroup skips the tiles wholly past
-// its queries' causal limit.
+// K and V tiles arrive by the TMA: one thread asks for a tile's 2 x D / 64
+// swizzled boxes (tensor maps of K and V made by the launcher), counted on
+// that tile's mbarrier, which every thread waits on before the tile's block
+// barrier. Rows past the last key land as zeros; keys past a block's causal
+// limit are masked. The products of P V are left running into the next tile:
+// the tensor cores take them and the next S = Q K^T back to back while the
+// warpgroups meet at the tile's barrier, and one wait covers both. So that
+// every buffer is refilled only after both warpgroups have waited for the
+// products that read it, K is double buffered and V triple buffered: at tile
+// t's barrier every warpgroup has finished S of tile t - 1 and P V of tile
+// t - 2, whose buffers take K and V of tile t + 1 (tile t's mbarrier is
+// t % 6, the period of both). A warpgroup skips the tiles wholly past its
+// queries' causal limit.
 constexpr int kWgQueries = 128;  // per block
 constexpr int kWgKeys = 64;      // per tile
 constexpr int kWgThreads = 256;
@@ -298,6 +304,7 @@ template <int D> struct WgmmaLayout {
     static constexpr int kTileBytes = kWgKeys * D * 2;  // one K or V tile
     static constexpr int kKBuffers = 2;
     static constexpr int kVBuffers = 3;
+    static constexpr int kTileBarriers = 6;  // a multiple of both buffer counts
     static constexpr int kSmemBytes =
         kQBytes + (kKBuffers + kVBuffers) * kTileBytes + wgmma::kTileAlign;
 };
@@ -323,8 +330,11 @@ __device__ __forceinline__ void load_swizzled(unsigned char* dst, const T* src,
 
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kWgThreads, 1) wgmma_flash_kernel(const Params p) {
+__global__ void __launch_bounds__(kWgThreads, 1)
+    wgmma_flash_kernel(const Params p, const __grid_constant__ CUtensorMap k_map,
+                       const __grid_constant__ CUtensorMap v_map) {
     using L = WgmmaLayout<D>;
+    __shared__ alignas(8) uint64_t tile_landed[L::kTileBarriers];
     constexpr int kHalves = D / 128;
     extern __shared__ unsigned char smem_raw[];
     const uint32_t raw_address = smem_address(smem_raw);
@@ -351,25 +361,38 @@ __global__ void __launch_bounds__(kWgThreads, 1) wgmma_flash_kernel(const Params
     const int row0 = wg_row + (threadIdx.x / 32 % 4) * 16 + group;  // this lane's first row
 
     const T* q = static_cast<const T*>(p.q) + p.q_strides.at(batch, head, m0);
-    const T* k = static_cast<const T*>(p.k) + p.k_strides.at(batch, kv_head, 0);
-    const T* v = static_cast<const T*>(p.v) + p.v_strides.at(batch, kv_head, 0);
-    const long long k_row = p.k_strides.row;
-    const long long v_row = p.v_strides.row;
 
     const int key_end = min(p.keys, prefix + m0 + kWgQueries);
     const int tiles = (key_end + kWgKeys - 1) / kWgKeys;
     // The last key this warpgroup's queries see, and whether it has queries.
     const int wg_last_key = prefix + m0 + wg_row + 63;
     const bool has_queries = m0 + wg_row < p.queries;
+    // Issued by thread 0: tile t's K and V, D / 64 boxes of 64 keys x 64
+    // columns each.
     const auto load_keys = [&](int t) {
-        const int n0 = t * kWgKeys;
-        load_swizzled<T, D, kWgKeys>(smem + k_offset(t), k + n0 * k_row, k_row, key_end - n0);
-        load_swizzled<T, D, kWgKeys>(smem + v_offset(t), v + n0 * v_row, v_row, key_end - n0);
+        uint64_t* landed = &tile_landed[t % L::kTileBarriers];
+        tma::barrier_expect_bytes(landed, 2 * L::kTileBytes);
+#pragma unroll
+        for (int b = 0; b < D / 64; ++b) {
+            const int box = b * kWgKeys * wgmma::kRowBytes;
+            tma::load_4d(smem + k_offset(t) + box, &k_map, landed, 64 * b, t * kWgKeys, kv_head,
+                         batch);
+            tma::load_4d(smem + v_offset(t) + box, &v_map, landed, 64 * b, t * kWgKeys, kv_head,
+                         batch);
+        }
     };
 
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int i = 0; i < L::kTileBarriers; ++i) tma::barrier_init(&tile_landed[i], 1);
+        tma::barrier_init_fence();
+    }
     load_swizzled<T, D, kWgQueries>(smem, q, p.q_strides.row, p.queries - m0);
-    load_keys(0);
     cp_async_commit();
+    cp_async_wait<0>();
+    wgmma::fence_async_shared();
+    __syncthreads();  // Q landed, the mbarriers initialised
+    if (threadIdx.x == 0) load_keys(0);
 
     float o[kHalves][64];
 #pragma unroll
@@ -386,11 +409,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) wgmma_flash_kernel(const Params
 
     for (int t = 0; t < tiles; ++t) {
         const int n0 = t * kWgKeys;
-        cp_async_wait<0>();
-        wgmma::fence_async_shared();
+        tma::barrier_wait(&tile_landed[t % L::kTileBarriers], (t / L::kTileBarriers) & 1);
         __syncthreads();  // tile t landed; S of t - 1 and P V of t - 2 are done
-        if (t + 1 < tiles) load_keys(t + 1);
-        cp_async_commit();
+        if (threadIdx.x == 0 && t + 1 < tiles) load_keys(t + 1);
         if (!has_queries || n0 > wg_last_key) continue;
 
         // S = Q K^T for this warpgroup's 64 rows and the tile's 64 keys.
@@ -485,7 +506,6 @@ __global__ void __launch_bounds__(kWgThreads, 1) wgmma_flash_kernel(const Params
     wgmma::wait_group<0>();
     wgmma::fence_registers(a);
     wgmma::fence_registers(o);
-    cp_async_wait<0>();
     if (!has_queries) return;
 
     T* out = static_cast<T*>(p.out) + p.out_strides.at(batch, head, m0);
@@ -510,14 +530,61 @@ __global__ void __launch_bounds__(kWgThreads, 1) wgmma_flash_kernel(const Params
     }
 }
 
+// The driver's cuTensorMapEncodeTiled, found once through the runtime (the
+// kernels link the runtime only); null where the driver has none.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+    static const PFN_cuTensorMapEncodeTiled_v12000 encoder = [] {
+        void* function = nullptr;
+        cudaDriverEntryPointQueryResult found;
+        const cudaError_t status = cudaGetDriverEntryPointByVersion(
+            "cuTensorMapEncodeTiled", &function, 12000, cudaEnableDefault, &found);
+        return status == cudaSuccess && found == cudaDriverEntryPointSuccess
+                   ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(function)
+                   : nullptr;
+    }();
+    return encoder;
+}
+
+// The tensor map of K or V (`base` with `strides`, in elements) as
+// [batch, kv heads, keys, D] read in boxes of 64 keys x 64 columns with the
+// 128-byte swizzle; false where the driver refuses it. A dimension of one
+// element gets any legal stride (its coordinate is always 0).
+bool encode_kv_map(CUtensorMap* map, const void* base, const Strides& strides, int batch,
+                   int kv_heads, int keys, int head_dim) {
+    const auto encode = tensor_map_encoder();
+    if (encode == nullptr) return false;
+    const auto stride_bytes = [](long long stride, int extent) {
+        return static_cast<cuuint64_t>(extent == 1 ? 16 : stride * 2);
+    };
+    const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(keys),
+                                static_cast<cuuint64_t>(kv_heads), static_cast<cuuint64_t>(batch)};
+    const cuuint64_t byte_strides[3] = {stride_bytes(strides.row, keys),
+                                        stride_bytes(strides.head, kv_heads),
+                                        stride_bytes(strides.batch, batch)};
+    const cuuint32_t box[4] = {64, kWgKeys, 1, 1};
+    const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(base), dims,
+                  byte_strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// The warpgroup kernel, or `flash_kernel` where the driver makes no tensor
+// maps of these operands.
 template <typename T, int D>
 int launch_wgmma_flash(const Params& p, int batch, cudaStream_t stream) {
+    CUtensorMap k_map;
+    CUtensorMap v_map;
+    if (!encode_kv_map(&k_map, p.k, p.k_strides, batch, p.kv_heads, p.keys, D) ||
+        !encode_kv_map(&v_map, p.v, p.v_strides, batch, p.kv_heads, p.keys, D)) {
+        return launch_flash<T, D>(p, batch, stream);
+    }
     constexpr int smem = WgmmaLayout<D>::kSmemBytes;
     cudaError_t status = cudaFuncSetAttribute(
         wgmma_flash_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (status != cudaSuccess) return static_cast<int>(status);
     const dim3 grid((p.queries + kWgQueries - 1) / kWgQueries, p.heads, batch);
-    wgmma_flash_kernel<T, D><<<grid, kWgThreads, smem, stream>>>(p);
+    wgmma_flash_kernel<T, D><<<grid, kWgThreads, smem, stream>>>(p, k_map, v_map);
     return berrylm::launch_status();
 }
 

@@ -1,0 +1,67 @@
+// PTX helpers of Hopper's tensor memory accelerator (TMA, sm_90): one thread
+// asks for a whole box of a tensor in global memory (described by a
+// `CUtensorMap` made on the host), which lands in shared memory in the layout
+// the map names (here the 128-byte swizzle of wgmma.cuh), and the bytes that
+// arrive are counted on an mbarrier that the consumers wait on.
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include "common.cuh"
+
+namespace berrylm::tma {
+
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Initialises the mbarrier at `barrier` for `arrivals` arrivals a phase.
+__device__ __forceinline__ void barrier_init(uint64_t* barrier, unsigned arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(barrier)),
+                 "r"(arrivals)
+                 : "memory");
+}
+
+// Makes the initialisations above visible to the TMA unit (the async proxy).
+__device__ __forceinline__ void barrier_init_fence() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// Arrives on `barrier` and tells it `bytes` more bytes are coming in this
+// phase: the phase completes when they have all landed.
+__device__ __forceinline__ void barrier_expect_bytes(uint64_t* barrier, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
+                     shared_address(barrier)),
+                 "r"(bytes)
+                 : "memory");
+}
+
+// Waits until the phase of `barrier` with parity `parity` has completed.
+__device__ __forceinline__ void barrier_wait(uint64_t* barrier, unsigned parity) {
+    const uint32_t address = shared_address(barrier);
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "wait_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra wait_%=;\n"
+        "}\n" ::"r"(address),
+        "r"(parity)
+        : "memory");
+}
+
+// Starts loading the box of the 4-dimensional tensor `map` at coordinates
+// (c0, c1, c2, c3) (c0 the contiguous dimension) into `dst`; its bytes are
+// counted on `barrier`. Rows past the tensor's extent land as zeros.
+__device__ __forceinline__ void load_4d(void* dst, const CUtensorMap* map, uint64_t* barrier,
+                                        int c0, int c1, int c2, int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%3, %4, %5, %6}], [%2];" ::"r"(shared_address(dst)),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(shared_address(barrier)), "r"(c0), "r"(c1),
+        "r"(c2), "r"(c3)
+        : "memory");
+}
+
+}  // namespace berrylm::tma
