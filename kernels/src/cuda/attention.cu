@@ -530,29 +530,12 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     }
 }
 
-// The driver's cuTensorMapEncodeTiled, found once through the runtime (the
-// kernels link the runtime only); null where the driver has none.
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-    static const PFN_cuTensorMapEncodeTiled_v12000 encoder = [] {
-        void* function = nullptr;
-        cudaDriverEntryPointQueryResult found;
-        const cudaError_t status = cudaGetDriverEntryPointByVersion(
-            "cuTensorMapEncodeTiled", &function, 12000, cudaEnableDefault, &found);
-        return status == cudaSuccess && found == cudaDriverEntryPointSuccess
-                   ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(function)
-                   : nullptr;
-    }();
-    return encoder;
-}
-
 // The tensor map of K or V (`base` with `strides`, in elements) as
-// [batch, kv heads, keys, D] read in boxes of 64 keys x 64 columns with the
-// 128-byte swizzle; false where the driver refuses it. A dimension of one
-// element gets any legal stride (its coordinate is always 0).
+// [batch, kv heads, keys, D] read in boxes of 64 keys x 64 columns; false
+// where the driver refuses it. A dimension of one element gets any legal
+// stride (its coordinate is always 0).
 bool encode_kv_map(CUtensorMap* map, const void* base, const Strides& strides, int batch,
                    int kv_heads, int keys, int head_dim) {
-    const auto encode = tensor_map_encoder();
-    if (encode == nullptr) return false;
     const auto stride_bytes = [](long long stride, int extent) {
         return static_cast<cuuint64_t>(extent == 1 ? 16 : stride * 2);
     };
@@ -562,11 +545,7 @@ bool encode_kv_map(CUtensorMap* map, const void* base, const Strides& strides, i
                                         stride_bytes(strides.head, kv_heads),
                                         stride_bytes(strides.batch, batch)};
     const cuuint32_t box[4] = {64, kWgKeys, 1, 1};
-    const cuuint32_t element_strides[4] = {1, 1, 1, 1};
-    return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(base), dims,
-                  byte_strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+    return tma::encode_swizzled_map(map, base, dims, byte_strides, box);
 }
 
 // The warpgroup kernel, or `flash_kernel` where the driver makes no tensor

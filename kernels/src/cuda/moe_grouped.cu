@@ -54,6 +54,7 @@
 // and in every case compared the same outputs bit for bit (kernels/CUDA.md).
 #include "mma.cuh"
 #if BERRYLM_WGMMA
+#include "tma.cuh"
 #include "wgmma.cuh"
 #endif
 
@@ -322,6 +323,8 @@ struct GemmParams {
     int k;
     int n_out;                  // h columns (I) or output columns (H)
     int n_blocks;               // blocks per tile along the columns (set by the launcher)
+    int experts;                // E
+    int a_height;               // rows of a
 };
 
 // The sources of this thread's 16-byte chunks of a stage, rows `load_row + i
@@ -331,12 +334,10 @@ struct GemmParams {
 // columns n0 ..; gate | up: gate rows j0 .. then the up rows I + j0 ..).
 // Rows past the tile's rows and columns past n_out get nullptr (their chunks
 // are zero-filled). Returns the expert's weights.
-template <typename T, bool kGated, int BlockN, int LoadsA, int LoadsB, int RowStep>
-__device__ __forceinline__ const T* chunk_sources(const GemmParams& p, int expert, int first,
-                                                  int rows, int n_block, int load_row,
-                                                  int load_col, const T* (&a_src)[LoadsA],
-                                                  const T* (&b_src)[LoadsB]) {
-    const int k = p.k;
+template <typename T, int LoadsA, int RowStep>
+__device__ __forceinline__ void a_chunk_sources(const GemmParams& p, int first, int rows,
+                                                int load_row, int load_col,
+                                                const T* (&a_src)[LoadsA]) {
     const T* a = static_cast<const T*>(p.a);
 #pragma unroll
     for (int i = 0; i < LoadsA; ++i) {
@@ -344,11 +345,20 @@ __device__ __forceinline__ const T* chunk_sources(const GemmParams& p, int exper
         if (row < rows) {
             const long long grouped = first + row;
             const long long source = p.a_rows != nullptr ? p.a_rows[grouped] : grouped;
-            a_src[i] = a + source * k + load_col;
+            a_src[i] = a + source * p.k + load_col;
         } else {
             a_src[i] = nullptr;
         }
     }
+}
+
+template <typename T, bool kGated, int BlockN, int LoadsA, int LoadsB, int RowStep>
+__device__ __forceinline__ const T* chunk_sources(const GemmParams& p, int expert, int first,
+                                                  int rows, int n_block, int load_row,
+                                                  int load_col, const T* (&a_src)[LoadsA],
+                                                  const T* (&b_src)[LoadsB]) {
+    const int k = p.k;
+    a_chunk_sources<T, LoadsA, RowStep>(p, first, rows, load_row, load_col, a_src);
     const int weight_rows = kGated ? 2 * p.n_out : p.n_out;
     const T* w = static_cast<const T*>(p.w) + static_cast<long long>(expert) * weight_rows * k;
 #pragma unroll
@@ -551,14 +561,20 @@ int launch_gemm(GemmParams p, int max_tiles, cudaStream_t stream) {
 // with warpgroup MMAs. Two warpgroups, each owning 64 of the tile's rows and
 // all BlockN columns as m64n128 accumulators (gate | up: BlockN 256, the gate
 // and the up half; down: runs of 128 output columns); both operands come
-// from shared memory, where every thread's cp.async copies store a stage's
-// rows with the 128-byte swizzle (wgmma.cuh). K runs in stages of 64
-// columns, Stages buffers of them: the copies of stage kt + Stages - 2 are
-// issued while the products of stage kt run and those of kt - 1 may still be
-// pending, so a stage's buffer is refilled only after every warpgroup has
-// waited for the products that read it. The epilogue is gemm_kernel's: the
-// same rounding points, each thread holding gate and up of the h elements it
-// writes.
+// from shared memory with the 128-byte swizzle (wgmma.cuh): a stage's weight
+// rows by the TMA (one thread asks for BlockN / 128 boxes of 128 rows x 64
+// columns of the map of all experts' weights, counted on the stage's
+// mbarrier), its A rows, gate | up's gathered rows of x, by every thread's
+// cp.async copies, and down's consecutive rows of h by the TMA as one more
+// box (the rows past the tile's, another expert's or zeros, reach only
+// accumulator rows that are never written). K runs in stages of 64 columns, Stages buffers of them: the
+// copies of stage kt + Stages - 2 are issued while the products of stage kt
+// run and those of kt - 1 may still be pending, so a stage's buffer is
+// refilled only after every warpgroup has waited for the products that read
+// it. Weight rows past an expert's columns (n_out not a multiple of 128) are
+// the next rows of the map, not zeros: they only reach accumulator columns
+// that are never written. The epilogue is gemm_kernel's: the same rounding
+// points, each thread holding gate and up of the h elements it writes.
 template <int BlockN, int Stages, int BlocksPerSm>
 struct WgmmaShape {
     static constexpr int kBlockM = 128;
@@ -582,7 +598,9 @@ struct WgmmaShape {
 using WgmmaPromptShape = WgmmaShape<256, 4, 1>;
 
 template <typename T, bool kGated, typename S>
-__global__ void __launch_bounds__(S::kThreads, S::kBlocksPerSm) wgmma_gemm_kernel(const GemmParams p) {
+__global__ void __launch_bounds__(S::kThreads, S::kBlocksPerSm)
+    wgmma_gemm_kernel(const GemmParams p, const __grid_constant__ CUtensorMap w_map,
+                      const __grid_constant__ CUtensorMap a_map) {
     static_assert(!kGated || S::kHalves == 2, "gate | up: a gate and an up accumulator");
     constexpr int kBlockN = S::kBlockN, kBlockK = S::kBlockK, kStages = S::kStages;
     constexpr int kHalves = S::kHalves;
@@ -596,6 +614,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocksPerSm) wgmma_gemm_kerne
     const int rows = static_cast<int>(tile.z);
 
     extern __shared__ unsigned char smem_raw[];
+    __shared__ alignas(8) uint64_t stage_landed[kStages];  // a stage's TMA boxes
     const uint32_t smem_base =
         (smem_address(smem_raw) + wgmma::kTileAlign - 1) & ~uint32_t(wgmma::kTileAlign - 1);
     unsigned char* smem = smem_raw + (smem_base - smem_address(smem_raw));
@@ -607,9 +626,16 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocksPerSm) wgmma_gemm_kerne
     const int load_col = load_chunk * 8;
     const T* a = static_cast<const T*>(p.a);
     const T* a_src[S::kLoadsA];
-    const T* b_src[S::kLoadsB];
-    const T* w = chunk_sources<T, kGated, kBlockN, S::kLoadsA, S::kLoadsB, kRowStep>(
-        p, expert, first, rows, n_block, load_row, load_col, a_src, b_src);
+    if constexpr (kGated) {
+        a_chunk_sources<T, S::kLoadsA, kRowStep>(p, first, rows, load_row, load_col, a_src);
+    }
+    // The map row of the weight box `box` (128 rows) of this block: gate |
+    // up, the gate rows then the up rows of its columns; down, its columns.
+    const int expert_row = expert * (kGated ? 2 * p.n_out : p.n_out);
+    const auto box_row = [&](int box) {
+        return kGated ? expert_row + box * p.n_out + n_block * (kBlockN / 2)
+                      : expert_row + n_block * kBlockN + box * 128;
+    };
 
     const int k_tiles = (k + kBlockK - 1) / kBlockK;
     auto load_stage = [&](int stage, int k_tile) {
@@ -617,19 +643,32 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocksPerSm) wgmma_gemm_kerne
         const bool k_valid = k0 + load_col < k;
         unsigned char* dst_a = smem + stage * S::kStageBytes;
         unsigned char* dst_b = dst_a + S::kBlockM * wgmma::kRowBytes;
+        if constexpr (kGated) {
 #pragma unroll
-        for (int i = 0; i < S::kLoadsA; ++i) {
-            const bool valid = k_valid && a_src[i] != nullptr;
-            cp_async_16(dst_a + wgmma::swizzled_offset(load_row + i * kRowStep, load_chunk),
-                        valid ? a_src[i] + k0 : a, valid ? 16 : 0);
+            for (int i = 0; i < S::kLoadsA; ++i) {
+                const bool valid = k_valid && a_src[i] != nullptr;
+                cp_async_16(dst_a + wgmma::swizzled_offset(load_row + i * kRowStep, load_chunk),
+                            valid ? a_src[i] + k0 : a, valid ? 16 : 0);
+            }
         }
+        if (threadIdx.x == 0) {
+            constexpr int kBytes = (kGated ? kBlockN : S::kBlockM + kBlockN) * wgmma::kRowBytes;
+            tma::barrier_expect_bytes(&stage_landed[stage], kBytes);
+            if constexpr (!kGated) tma::load_2d(dst_a, &a_map, &stage_landed[stage], k0, first);
 #pragma unroll
-        for (int i = 0; i < S::kLoadsB; ++i) {
-            const bool valid = k_valid && b_src[i] != nullptr;
-            cp_async_16(dst_b + wgmma::swizzled_offset(load_row + i * kRowStep, load_chunk),
-                        valid ? b_src[i] + k0 : w, valid ? 16 : 0);
+            for (int box = 0; box < kBlockN / 128; ++box) {
+                tma::load_2d(dst_b + box * 128 * wgmma::kRowBytes, &w_map, &stage_landed[stage],
+                             k0, box_row(box));
+            }
         }
     };
+
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int s = 0; s < kStages; ++s) tma::barrier_init(&stage_landed[s], 1);
+        tma::barrier_init_fence();
+    }
+    __syncthreads();  // the mbarriers initialised
 
     // Stages load two ahead of the products (see the struct's comment).
     constexpr int kAhead = kStages - 2;
@@ -647,8 +686,9 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocksPerSm) wgmma_gemm_kerne
         for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
     }
     for (int kt = 0; kt < k_tiles; ++kt) {
-        cp_async_wait<kAhead - 1>();  // stage kt has landed (this thread's copies)
+        cp_async_wait<kAhead - 1>();  // stage kt's A rows have landed (this thread's copies)
         wgmma::fence_async_shared();
+        tma::barrier_wait(&stage_landed[kt % kStages], (kt / kStages) & 1);
         __syncthreads();  // everyone's copies; every product of stage kt - 2 is done
         const int next = kt + kAhead;
         if (next < k_tiles) load_stage(next % kStages, next);
@@ -716,15 +756,37 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocksPerSm) wgmma_gemm_kerne
     }
 }
 
+// The map of `rows` rows of k elements from `base` (row-major, contiguous),
+// read in boxes of 128 rows x 64 columns.
+template <typename T>
+bool encode_rows_map(CUtensorMap* map, const void* base, long long rows, int k) {
+    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows)};
+    const cuuint64_t byte_strides[1] = {static_cast<cuuint64_t>(k) * sizeof(T)};
+    const cuuint32_t box[2] = {64, 128};
+    return tma::encode_swizzled_map(map, base, dims, byte_strides, box);
+}
+
+// The warpgroup GEMM, or gemm_kernel in the prompt shape where the driver
+// makes no tensor map of the weights ([E x weight rows, k]) or, for down, of
+// h (whose rows it reads in order: a_rows null).
 template <typename T, bool kGated, typename S>
 int launch_wgmma_gemm(GemmParams p, int max_tiles, cudaStream_t stream) {
+    static_assert(S::kBlockK == 64 && S::kBlockM == 128, "the maps' boxes");
+    const long long weight_rows = static_cast<long long>(p.experts) * (kGated ? 2 : 1) * p.n_out;
+    CUtensorMap w_map;
+    CUtensorMap a_map{};  // gate | up gathers its rows with cp.async
+    if (!encode_rows_map<T>(&w_map, p.w, weight_rows, p.k) ||
+        (!kGated && (p.a_rows != nullptr || !encode_rows_map<T>(&a_map, p.a, p.a_height, p.k)))) {
+        return launch_gemm<T, kGated, PromptShape>(p, max_tiles, stream);
+    }
     p.n_blocks = column_blocks<kGated, S::kBlockN>(p.n_out);
     constexpr int smem = S::kSmemBytes;
     const cudaError_t status = cudaFuncSetAttribute(
         wgmma_gemm_kernel<T, kGated, S>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (status != cudaSuccess) return static_cast<int>(status);
     const long long blocks = static_cast<long long>(max_tiles) * p.n_blocks;
-    wgmma_gemm_kernel<T, kGated, S><<<static_cast<unsigned>(blocks), S::kThreads, smem, stream>>>(p);
+    wgmma_gemm_kernel<T, kGated, S>
+        <<<static_cast<unsigned>(blocks), S::kThreads, smem, stream>>>(p, w_map, a_map);
     return launch_status();
 }
 #endif  // BERRYLM_WGMMA
@@ -819,11 +881,11 @@ int launch_shaped(const Buffers& b, int tokens, int top_k, int experts, int hidd
 
     const int max_tiles = tile_bound<S>(routed, experts);
     const GemmParams gate_up{b.x, b.tokens_of, b.gate_up, b.h, b.tiles, b.tile_count,
-                             hidden, inter, 0};
+                             hidden, inter, 0, experts, tokens};
     status = launch_projection<T, true, S>(gate_up, max_tiles, stream);
     if (status != 0) return status;
     const GemmParams down{b.h, nullptr, b.down, b.expert_out, b.tiles, b.tile_count,
-                          inter, hidden, 0};
+                          inter, hidden, 0, experts, routed};
     return launch_projection<T, false, S>(down, max_tiles, stream);
 }
 

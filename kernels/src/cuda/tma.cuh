@@ -1,8 +1,9 @@
-// PTX helpers of Hopper's tensor memory accelerator (TMA, sm_90): one thread
-// asks for a whole box of a tensor in global memory (described by a
-// `CUtensorMap` made on the host), which lands in shared memory in the layout
-// the map names (here the 128-byte swizzle of wgmma.cuh), and the bytes that
-// arrive are counted on an mbarrier that the consumers wait on.
+// Hopper's tensor memory accelerator (TMA, sm_90): one thread asks for a
+// whole box of a tensor in global memory (described by a `CUtensorMap` made
+// on the host), which lands in shared memory in the layout the map names
+// (here the 128-byte swizzle of wgmma.cuh), and the bytes that arrive are
+// counted on an mbarrier that the consumers wait on. The PTX helpers of the
+// kernels, and the host's encoding of a map.
 #pragma once
 
 #include <cuda.h>
@@ -51,9 +52,19 @@ __device__ __forceinline__ void barrier_wait(uint64_t* barrier, unsigned parity)
         : "memory");
 }
 
-// Starts loading the box of the 4-dimensional tensor `map` at coordinates
-// (c0, c1, c2, c3) (c0 the contiguous dimension) into `dst`; its bytes are
-// counted on `barrier`. Rows past the tensor's extent land as zeros.
+// Starts loading the box of the 2-dimensional tensor `map` at coordinates
+// (c0, c1) (c0 the contiguous dimension) into `dst`; its bytes are counted on
+// `barrier`. Elements past the tensor's extents land as zeros.
+__device__ __forceinline__ void load_2d(void* dst, const CUtensorMap* map, uint64_t* barrier,
+                                        int c0, int c1) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%3, %4}], [%2];" ::"r"(shared_address(dst)),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(shared_address(barrier)), "r"(c0), "r"(c1)
+        : "memory");
+}
+
+// The same for a 4-dimensional tensor, at (c0, c1, c2, c3).
 __device__ __forceinline__ void load_4d(void* dst, const CUtensorMap* map, uint64_t* barrier,
                                         int c0, int c1, int c2, int c3) {
     asm volatile(
@@ -62,6 +73,42 @@ __device__ __forceinline__ void load_4d(void* dst, const CUtensorMap* map, uint6
         "l"(reinterpret_cast<uint64_t>(map)), "r"(shared_address(barrier)), "r"(c0), "r"(c1),
         "r"(c2), "r"(c3)
         : "memory");
+}
+
+// The driver's cuTensorMapEncodeTiled, found once through the runtime (the
+// kernels link the runtime only); null where the driver has none.
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+    static const PFN_cuTensorMapEncodeTiled_v12000 encoder = [] {
+        void* function = nullptr;
+        cudaDriverEntryPointQueryResult found;
+        const cudaError_t status = cudaGetDriverEntryPointByVersion(
+            "cuTensorMapEncodeTiled", &function, 12000, cudaEnableDefault, &found);
+        return status == cudaSuccess && found == cudaDriverEntryPointSuccess
+                   ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(function)
+                   : nullptr;
+    }();
+    return encoder;
+}
+
+// The map of a tensor of 16-bit elements at `base`: `dims` its extents
+// (contiguous dimension first), `byte_strides` the strides of the others in
+// bytes, read in boxes of `box` elements (its first extent 64: one 128-byte
+// row) that land with the 128-byte swizzle of wgmma.cuh; elements past an
+// extent land as zeros. False where the driver refuses it (alignment,
+// strides that are not multiples of 16 bytes).
+template <int Rank>
+inline bool encode_swizzled_map(CUtensorMap* map, const void* base,
+                                const cuuint64_t (&dims)[Rank],
+                                const cuuint64_t (&byte_strides)[Rank - 1],
+                                const cuuint32_t (&box)[Rank]) {
+    const auto encode = tensor_map_encoder();
+    if (encode == nullptr) return false;
+    cuuint32_t element_strides[Rank];
+    for (int i = 0; i < Rank; ++i) element_strides[i] = 1;
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, Rank, const_cast<void*>(base), dims,
+                  byte_strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 }  // namespace berrylm::tma
