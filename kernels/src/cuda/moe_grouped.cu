@@ -567,11 +567,11 @@ int launch_gemm(GemmParams p, int max_tiles, cudaStream_t stream) {
 // mbarrier), its A rows, gate | up's gathered rows of x, by every thread's
 // cp.async copies, and down's consecutive rows of h by the TMA as one more
 // box (the rows past the tile's, another expert's or zeros, reach only
-// accumulator rows that are never written). K runs in stages of 64 columns, Stages buffers of them: the
-// copies of stage kt + Stages - 2 are issued while the products of stage kt
-// run and those of kt - 1 may still be pending, so a stage's buffer is
-// refilled only after every warpgroup has waited for the products that read
-// it. Weight rows past an expert's columns (n_out not a multiple of 128) are
+// accumulator rows that are never written). K runs in stages of 64 columns,
+// Stages buffers of them: the copies of stage kt + Stages - 2 are issued
+// while the products of stage kt run and those of kt - 1 may still be
+// pending, so a stage's buffer is refilled only after every warpgroup has
+// waited for the products that read it. Weight rows past an expert's columns (n_out not a multiple of 128) are
 // the next rows of the map, not zeros: they only reach accumulator columns
 // that are never written. The epilogue is gemm_kernel's: the same rounding
 // points, each thread holding gate and up of the h elements it writes.
