@@ -53,8 +53,8 @@
 // instead (`wgmma_gemm_kernel`, below): the same tiles and rounding points,
 // and in every case compared the same outputs bit for bit (kernels/CUDA.md).
 #include "mma.cuh"
-#if BERRYLM_WGMMA
 #include "tma.cuh"
+#if BERRYLM_WGMMA
 #include "wgmma.cuh"
 #endif
 
@@ -299,6 +299,15 @@ struct Shape {
         return Stages * (BlockM + BlockN) * kStride * static_cast<int>(sizeof(T));
     }
 
+    // With the weights brought by the TMA: B stages first, unpadded, as
+    // blocks of 64 columns with the 128-byte swizzle (1024-aligned), then
+    // the padded A stages.
+    static constexpr int kSwizzledBStageBytes = BlockN * BlockK * 2;
+    template <typename T> static constexpr int tma_smem_bytes() {
+        return Stages * (kSwizzledBStageBytes + BlockM * kStride * static_cast<int>(sizeof(T))) +
+               1024;
+    }
+
     // The shared-memory row of B (0 .. BlockN) whose n8 tile `nb` of the warp
     // in column `warp_n` starts there: the first kTilesN / 2 tiles in the
     // first half of the block's rows (gate rows, for gate | up), the others
@@ -380,8 +389,9 @@ __device__ __forceinline__ const T* chunk_sources(const GemmParams& p, int exper
     return w;
 }
 
-template <typename T, bool kGated, typename S>
-__global__ void __launch_bounds__(S::kThreads, S::kBlocksPerSm) gemm_kernel(const GemmParams p) {
+template <typename T, bool kGated, typename S, bool kTmaWeights>
+__global__ void __launch_bounds__(S::kThreads, S::kBlocksPerSm)
+    gemm_kernel(const GemmParams p, const __grid_constant__ CUtensorMap w_map) {
     constexpr int kBlockM = S::kBlockM, kBlockN = S::kBlockN, kBlockK = S::kBlockK;
     constexpr int kStages = S::kStages, kThreads = S::kThreads, kStride = S::kStride;
     constexpr int kWarpM = S::kWarpM, kTilesM = S::kTilesM, kTilesN = S::kTilesN;
@@ -395,7 +405,13 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocksPerSm) gemm_kernel(cons
     const int rows = static_cast<int>(tile.z);
 
     extern __shared__ __align__(16) unsigned char smem[];
-    T* s_a = reinterpret_cast<T*>(smem);
+    __shared__ alignas(8) uint64_t weights_landed[kStages];
+    // kTmaWeights: the swizzled B stages at the first 1024-aligned byte,
+    // then the A stages; else A then B, both padded.
+    unsigned char* swizzled_b = smem + ((1024 - smem_address(smem) % 1024) % 1024);
+    T* s_a = kTmaWeights
+                 ? reinterpret_cast<T*>(swizzled_b + kStages * S::kSwizzledBStageBytes)
+                 : reinterpret_cast<T*>(smem);
     T* s_b = s_a + kStages * kBlockM * kStride;
     const int warp = threadIdx.x / 32;
     const int warp_m = warp / S::kWarpsN;
@@ -419,27 +435,62 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocksPerSm) gemm_kernel(cons
     const T* b_src[kLoadsB];
     const T* w = chunk_sources<T, kGated, kBlockN, kLoadsA, kLoadsB, kRowStep>(
         p, expert, first, rows, n_block, load_row, load_col, a_src, b_src);
+    // kTmaWeights: the map row of the block's weight rows (gate | up: the
+    // gate rows, then the up rows, of its columns).
+    const int expert_row = expert * (kGated ? 2 * p.n_out : p.n_out);
+    const auto box_row = [&](int half) {
+        return kGated ? expert_row + half * p.n_out + n_block * (kBlockN / 2)
+                      : expert_row + n_block * kBlockN;
+    };
 
     const int k_tiles = (k + kBlockK - 1) / kBlockK;
     auto load_stage = [&](int stage, int k_tile) {
         const int k0 = k_tile * kBlockK;
         const bool k_valid = k0 + load_col < k;
         T* dst_a = s_a + stage * kBlockM * kStride;
-        T* dst_b = s_b + stage * kBlockN * kStride;
 #pragma unroll
         for (int i = 0; i < kLoadsA; ++i) {
             const bool valid = k_valid && a_src[i] != nullptr;
             cp_async_16(dst_a + (load_row + i * kRowStep) * kStride + load_col,
                         valid ? a_src[i] + k0 : a, valid ? 16 : 0);
         }
+        if constexpr (kTmaWeights) {
+            if (threadIdx.x == 0) {
+                // The products that read this buffer (ldmatrix, the generic
+                // proxy) are ordered before the TMA's writes.
+                tma::fence_async_shared();
+                unsigned char* dst_b = swizzled_b + stage * S::kSwizzledBStageBytes;
+                tma::barrier_expect_bytes(&weights_landed[stage], S::kSwizzledBStageBytes);
+                constexpr int kHalves = kGated ? 2 : 1;
+                constexpr int kBoxRows = kBlockN / kHalves;
 #pragma unroll
-        for (int i = 0; i < kLoadsB; ++i) {
-            const bool valid = k_valid && b_src[i] != nullptr;
-            cp_async_16(dst_b + (load_row + i * kRowStep) * kStride + load_col,
-                        valid ? b_src[i] + k0 : w, valid ? 16 : 0);
+                for (int block = 0; block < kBlockK / 64; ++block) {
+#pragma unroll
+                    for (int half = 0; half < kHalves; ++half) {
+                        tma::load_2d(dst_b + (block * kBlockN + half * kBoxRows) * 128, &w_map,
+                                     &weights_landed[stage], k0 + 64 * block, box_row(half));
+                    }
+                }
+            }
+        } else {
+            T* dst_b = s_b + stage * kBlockN * kStride;
+#pragma unroll
+            for (int i = 0; i < kLoadsB; ++i) {
+                const bool valid = k_valid && b_src[i] != nullptr;
+                cp_async_16(dst_b + (load_row + i * kRowStep) * kStride + load_col,
+                            valid ? b_src[i] + k0 : w, valid ? 16 : 0);
+            }
         }
     };
 
+    if constexpr (kTmaWeights) {
+        if (threadIdx.x == 0) {
+#pragma unroll
+            for (int s = 0; s < kStages; ++s) tma::barrier_init(&weights_landed[s], 1);
+            tma::barrier_init_fence();
+        }
+        __syncthreads();  // the mbarriers initialised
+    }
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
         if (s < k_tiles) load_stage(s, s);
@@ -449,7 +500,10 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocksPerSm) gemm_kernel(cons
     float acc[kTilesM][kTilesN][4] = {};
     for (int kt = 0; kt < k_tiles; ++kt) {
         cp_async_wait<kStages - 2>();  // stage kt has landed (this thread's copies)
-        __syncthreads();               // everyone's; and stage kt - 1 is free
+        if constexpr (kTmaWeights) {
+            tma::barrier_wait(&weights_landed[kt % kStages], (kt / kStages) & 1);
+        }
+        __syncthreads();  // everyone's; and stage kt - 1 is free
         const int next = kt + kStages - 1;
         if (next < k_tiles) load_stage(next % kStages, next);
         cp_async_commit();
@@ -457,6 +511,17 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocksPerSm) gemm_kernel(cons
 
         const T* tile_a = s_a + ((kt % kStages) * kBlockM + warp_row) * kStride;
         const T* tile_b = s_b + (kt % kStages) * kBlockN * kStride;
+        const unsigned char* swizzled_tile_b =
+            swizzled_b + (kt % kStages) * S::kSwizzledBStageBytes;
+        // Row `row`, column `column` (a multiple of 8) of this stage's B.
+        const auto b_address = [&](int row, int column) -> const void* {
+            if constexpr (kTmaWeights) {
+                return swizzled_tile_b + (column / 64) * kBlockN * 128 +
+                       tma::swizzled_offset(row, (column % 64) / 8);
+            } else {
+                return tile_b + row * kStride + column;
+            }
+        };
         // The A fragments of step kk + 1 load while the products of step kk
         // run (the asm statements keep their order).
         unsigned frag_a[2][kTilesM][4];
@@ -477,9 +542,8 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocksPerSm) gemm_kernel(cons
 #pragma unroll
             for (int pair = 0; pair < kTilesN / 2; ++pair) {
                 ldmatrix_x4(frag_b[pair],
-                            tile_b + (S::b_row(warp_n, 2 * pair) + (lane & 7) + (lane >> 4) * 8) *
-                                         kStride +
-                                kk * 16 + ((lane >> 3) & 1) * 8);
+                            b_address(S::b_row(warp_n, 2 * pair) + (lane & 7) + (lane >> 4) * 8,
+                                      kk * 16 + ((lane >> 3) & 1) * 8));
             }
             if (kk + 1 < kBlockK / 16) load_a(frag_a[(kk + 1) % 2], kk + 1);
 #pragma unroll
@@ -542,15 +606,36 @@ template <bool kGated, int BlockN> int column_blocks(int n_out) {
     return (n_out + kColumns - 1) / kColumns;
 }
 
-template <typename T, bool kGated, typename S>
-int launch_gemm(GemmParams p, int max_tiles, cudaStream_t stream) {
+// The map of `rows` rows of k elements from `base` (row-major, contiguous),
+// read in boxes of `box_rows` rows x 64 columns.
+template <typename T>
+bool encode_rows_map(CUtensorMap* map, const void* base, long long rows, int k,
+                     unsigned box_rows) {
+    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows)};
+    const cuuint64_t byte_strides[1] = {static_cast<cuuint64_t>(k) * sizeof(T)};
+    const cuuint32_t box[2] = {64, box_rows};
+    return tma::encode_swizzled_map(map, base, dims, byte_strides, box);
+}
+
+// The rows of every expert's weights of a projection: [E x weight rows, k].
+template <bool kGated> long long weight_map_rows(const GemmParams& p) {
+    return static_cast<long long>(p.experts) * (kGated ? 2 : 1) * p.n_out;
+}
+
+// gemm_kernel in shape S; kTmaWeights: its weights by the TMA through `w_map`
+// (boxes of S's weight rows of a half, 64 columns).
+template <typename T, bool kGated, typename S, bool kTmaWeights = false>
+int launch_gemm(GemmParams p, int max_tiles, cudaStream_t stream,
+                const CUtensorMap& w_map = CUtensorMap{}) {
     p.n_blocks = column_blocks<kGated, S::kBlockN>(p.n_out);
-    constexpr int smem = S::template smem_bytes<T>();
+    constexpr int smem =
+        kTmaWeights ? S::template tma_smem_bytes<T>() : S::template smem_bytes<T>();
     const cudaError_t status = cudaFuncSetAttribute(
-        gemm_kernel<T, kGated, S>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        gemm_kernel<T, kGated, S, kTmaWeights>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (status != cudaSuccess) return static_cast<int>(status);
     const long long blocks = static_cast<long long>(max_tiles) * p.n_blocks;
-    gemm_kernel<T, kGated, S><<<static_cast<unsigned>(blocks), S::kThreads, smem, stream>>>(p);
+    gemm_kernel<T, kGated, S, kTmaWeights>
+        <<<static_cast<unsigned>(blocks), S::kThreads, smem, stream>>>(p, w_map);
     return launch_status();
 }
 
@@ -756,27 +841,17 @@ __global__ void __launch_bounds__(S::kThreads, S::kBlocksPerSm)
     }
 }
 
-// The map of `rows` rows of k elements from `base` (row-major, contiguous),
-// read in boxes of 128 rows x 64 columns.
-template <typename T>
-bool encode_rows_map(CUtensorMap* map, const void* base, long long rows, int k) {
-    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows)};
-    const cuuint64_t byte_strides[1] = {static_cast<cuuint64_t>(k) * sizeof(T)};
-    const cuuint32_t box[2] = {64, 128};
-    return tma::encode_swizzled_map(map, base, dims, byte_strides, box);
-}
-
 // The warpgroup GEMM, or gemm_kernel in the prompt shape where the driver
 // makes no tensor map of the weights ([E x weight rows, k]) or, for down, of
 // h (whose rows it reads in order: a_rows null).
 template <typename T, bool kGated, typename S>
 int launch_wgmma_gemm(GemmParams p, int max_tiles, cudaStream_t stream) {
     static_assert(S::kBlockK == 64 && S::kBlockM == 128, "the maps' boxes");
-    const long long weight_rows = static_cast<long long>(p.experts) * (kGated ? 2 : 1) * p.n_out;
     CUtensorMap w_map;
     CUtensorMap a_map{};  // gate | up gathers its rows with cp.async
-    if (!encode_rows_map<T>(&w_map, p.w, weight_rows, p.k) ||
-        (!kGated && (p.a_rows != nullptr || !encode_rows_map<T>(&a_map, p.a, p.a_height, p.k)))) {
+    if (!encode_rows_map<T>(&w_map, p.w, weight_map_rows<kGated>(p), p.k, 128) ||
+        (!kGated &&
+         (p.a_rows != nullptr || !encode_rows_map<T>(&a_map, p.a, p.a_height, p.k, 128)))) {
         return launch_gemm<T, kGated, PromptShape>(p, max_tiles, stream);
     }
     p.n_blocks = column_blocks<kGated, S::kBlockN>(p.n_out);
@@ -793,13 +868,20 @@ int launch_wgmma_gemm(GemmParams p, int max_tiles, cudaStream_t stream) {
 
 // The GEMM of a call in shape S: builds for sm_90a run the prompt shape's
 // tiles with warpgroup MMAs (1.5x mma.sync's rate at 4096 tokens of
-// BerryLM-OS, the same results bit for bit: kernels/CUDA.md).
+// BerryLM-OS, the same results bit for bit: kernels/CUDA.md) and the other
+// shapes with their weights brought by the TMA, where the driver maps them.
 template <typename T, bool kGated, typename S>
 int launch_projection(const GemmParams& p, int max_tiles, cudaStream_t stream) {
 #if BERRYLM_WGMMA
     if constexpr (std::is_same_v<S, PromptShape>) {
         return launch_wgmma_gemm<T, kGated, WgmmaPromptShape>(p, max_tiles, stream);
     } else {
+        static_assert(S::kBlockK % 64 == 0, "whole 64-column boxes a stage");
+        CUtensorMap w_map;
+        if (encode_rows_map<T>(&w_map, p.w, weight_map_rows<kGated>(p), p.k,
+                               kGated ? S::kBlockN / 2 : S::kBlockN)) {
+            return launch_gemm<T, kGated, S, true>(p, max_tiles, stream, w_map);
+        }
         return launch_gemm<T, kGated, S>(p, max_tiles, stream);
     }
 #else

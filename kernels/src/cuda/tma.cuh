@@ -13,6 +13,26 @@
 
 namespace berrylm::tma {
 
+// Bytes of one row of a 128-byte-swizzled tile: 64 16-bit elements.
+constexpr int kSwizzledRowBytes = 128;
+
+// Byte offset of the 16-byte chunk `chunk` (0..7) of row `row` in a tile
+// stored with the 128-byte swizzle (as the TMA writes a box with
+// CU_TENSOR_MAP_SWIZZLE_128B into a 1024-aligned buffer): the chunks of row
+// r are permuted by XOR with r % 8, so that the 8 rows a product or an
+// ldmatrix reads at one column lie in 8 different bank groups.
+__device__ __forceinline__ int swizzled_offset(int row, int chunk) {
+    return row * kSwizzledRowBytes + ((chunk ^ (row & 7)) << 4);
+}
+
+// Orders this thread's generic-proxy accesses to shared memory (cp.async,
+// plain stores, ldmatrix reads, and those of other threads made visible to it
+// by a barrier) before the async proxy's (the TMA's writes, the warpgroup
+// products' reads) that follow.
+__device__ __forceinline__ void fence_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
 __device__ __forceinline__ uint32_t shared_address(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }

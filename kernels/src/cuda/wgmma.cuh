@@ -16,21 +16,16 @@
 #include <type_traits>
 
 #include "common.cuh"
+#include "tma.cuh"
 
 namespace berrylm::wgmma {
 
 // Bytes of one row of a swizzled tile: 64 16-bit elements.
-constexpr int kRowBytes = 128;
+constexpr int kRowBytes = tma::kSwizzledRowBytes;
 // A swizzled tile starts on this alignment (8 rows: the swizzle's period).
 constexpr int kTileAlign = 1024;
 
-// Byte offset of the 16-byte chunk `chunk` (0..7) of row `row` in a tile
-// stored with the 128-byte swizzle: the chunks of row r are permuted by
-// XOR with r % 8, so that the 8 rows a product reads at one column lie in 8
-// different bank groups.
-__device__ __forceinline__ int swizzled_offset(int row, int chunk) {
-    return row * kRowBytes + ((chunk ^ (row & 7)) << 4);
-}
+using tma::swizzled_offset;
 
 // The shared-memory matrix descriptor of the K-major, 128-byte-swizzled tile
 // whose first row (at the product's first K column) is at shared-memory
@@ -74,9 +69,7 @@ template <int N> __device__ __forceinline__ void wait_group() {
 
 // Makes this thread's generic-proxy writes to shared memory (cp.async, plain
 // stores) visible to the async proxy that the products read through.
-__device__ __forceinline__ void fence_async_shared() {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
+using tma::fence_async_shared;
 
 // Keeps the compiler from moving reads or writes of a register across a
 // pending product: an accumulator (the hardware writes it asynchronously) or
