@@ -11,6 +11,7 @@
 //! | [`kda_recurrence`] | 3.6 step 6 | the KDA delta-rule recurrence with per-key-channel decay |
 //! | [`kda_recurrence_with`] | 3.6 step 6 | the same, with an explicit [`KdaPrefillAlgorithm`] for CUDA prefill; a test reference |
 //! | [`kda_recurrence_in_pool_with`] | 3.6 step 6 | the same for sequences whose states are rows of an `f32` state pool, updated in place by slot, with an explicit [`KdaPrefillAlgorithm`] |
+//! | [`kda_core_in_pool`] | 3.6 steps 3, 6, 7 | the KDA layer from its conv's outputs to its gated output norm: gate, write strength, recurrence in the pool and gated RMSNorm (one kernel for a CUDA decode step) |
 //! | [`attn_res_mix`] | 3.4 | gated block AttnRes: depth softmax over committed streams and the current stream |
 //! | [`gated_rms_norm`] | 3.1 | RMSNorm before a SiLU gate (the KDA output norm) |
 //! | [`offset_rms_norm`] | 3.1 | the `(1 + w)` RMSNorm of the layer, q/k and final norms |
@@ -77,6 +78,7 @@ mod conv;
 mod cuda;
 mod gate;
 mod gate_mul;
+mod kda_core;
 mod mlp;
 mod moe;
 mod norm;
@@ -94,6 +96,7 @@ pub use conv::{
 };
 pub use gate::{kda_beta, kda_gate};
 pub use gate_mul::sigmoid_gate_mul;
+pub use kda_core::{kda_core_in_pool, KdaCoreInputs, KdaCoreParams};
 pub use mlp::{add_moe_output, swiglu};
 pub use moe::{
     moe_block_decode, moe_experts, moe_experts_quantized, moe_experts_with, MoeBlockInputs,

@@ -216,7 +216,7 @@ pub fn kda_recurrence_in_pool_with(
 ) -> Result<Tensor> {
     let tokens = KdaTokens { q, k, v, g, beta };
     let dims = validate_tokens(POOL_OP, &tokens)?;
-    let pool_rows = validate_pool(pool.states, &dims)?;
+    let pool_rows = validate_pool(POOL_OP, pool.states, &dims)?;
     pool.validate(POOL_OP, pool_rows, dims.batch, q.device())?;
     on_device!(
         POOL_OP,
@@ -305,19 +305,23 @@ impl StatePool<'_> {
 
 /// Validates the state pool of [`kda_recurrence_in_pool_with`] and returns its
 /// row count `S`.
-fn validate_pool(pool: &Tensor, dims: &RecurrenceDims) -> Result<usize> {
+pub(crate) fn validate_pool(
+    op: &'static str,
+    pool: &Tensor,
+    dims: &RecurrenceDims,
+) -> Result<usize> {
     if pool.dtype() != DType::F32 {
         return Err(invalid_argument(
-            POOL_OP,
+            op,
             "pool",
             format!("dtype {:?}, expected f32", pool.dtype()),
         ));
     }
-    let [rows, value_heads, key_dim, value_dim] = float_dims::<4>(POOL_OP, "pool", pool)?;
+    let [rows, value_heads, key_dim, value_dim] = float_dims::<4>(op, "pool", pool)?;
     let expected = [dims.value_heads, dims.key_dim, dims.value_dim];
     if [value_heads, key_dim, value_dim] != expected {
         return Err(invalid_argument(
-            POOL_OP,
+            op,
             "pool",
             format!(
                 "shape {:?}, expected [S, Hv, dk, dv] with [Hv, dk, dv] = {expected:?}",
@@ -408,11 +412,35 @@ fn validate(tokens: &KdaTokens<'_>, state: &Tensor) -> Result<RecurrenceDims> {
 /// its sizes.
 fn validate_tokens(op: &'static str, tokens: &KdaTokens<'_>) -> Result<RecurrenceDims> {
     let KdaTokens { q, k, v, g, beta } = *tokens;
+    let dims = validate_qkv(op, q, k, v)?;
+    let g_dims = float_dims::<4>(op, "g", g)?;
+    let beta_dims = float_dims::<3>(op, "beta", beta)?;
+    let RecurrenceDims {
+        batch,
+        seq_len,
+        value_heads,
+        key_dim,
+        ..
+    } = dims;
+    let expected_g = [batch, seq_len, value_heads, key_dim];
+    expect_shape(op, "g", &g_dims, &expected_g, "[B, T, Hv, dk] =")?;
+    let expected_beta = [batch, seq_len, value_heads];
+    expect_shape(op, "beta", &beta_dims, &expected_beta, "[B, T, Hv] =")?;
+    expect_on_device(op, q.device(), [("g", g), ("beta", beta)])?;
+    Ok(dims)
+}
+
+/// Validates the q, k and v of a recurrence call of `op` (shapes as for
+/// [`kda_recurrence`], one device) and returns the call's sizes.
+pub(crate) fn validate_qkv(
+    op: &'static str,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+) -> Result<RecurrenceDims> {
     let [batch, seq_len, key_heads, key_dim] = float_dims::<4>(op, "q", q)?;
     let k_dims = float_dims::<4>(op, "k", k)?;
     let [v_batch, v_seq_len, value_heads, value_dim] = float_dims::<4>(op, "v", v)?;
-    let g_dims = float_dims::<4>(op, "g", g)?;
-    let beta_dims = float_dims::<3>(op, "beta", beta)?;
 
     expect_shape(op, "k", &k_dims, q.dims(), "the shape of `q`")?;
     for (arg, what, size) in [
@@ -434,15 +462,7 @@ fn validate_tokens(op: &'static str, tokens: &KdaTokens<'_>) -> Result<Recurrenc
     )?;
     expect_dim(op, "v", "batch size (dim 0)", v_batch, batch)?;
     expect_dim(op, "v", "sequence length (dim 1)", v_seq_len, seq_len)?;
-    let expected_g = [batch, seq_len, value_heads, key_dim];
-    expect_shape(op, "g", &g_dims, &expected_g, "[B, T, Hv, dk] =")?;
-    let expected_beta = [batch, seq_len, value_heads];
-    expect_shape(op, "beta", &beta_dims, &expected_beta, "[B, T, Hv] =")?;
-    expect_on_device(
-        op,
-        q.device(),
-        [("k", k), ("v", v), ("g", g), ("beta", beta)],
-    )?;
+    expect_on_device(op, q.device(), [("k", k), ("v", v)])?;
     Ok(RecurrenceDims {
         batch,
         seq_len,

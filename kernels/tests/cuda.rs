@@ -16,6 +16,9 @@ mod common;
 #[path = "cuda/attention.rs"]
 mod attention;
 
+#[path = "cuda/kda_core.rs"]
+mod kda_core;
+
 #[path = "cuda/paged_attention.rs"]
 mod paged_attention;
 

@@ -4,7 +4,11 @@
 // clamp g = max(g, lower_bound). All in f32, output f32.
 //
 // KDA write strength, elementwise: beta = 1 / (exp(-b) + 1) in f32.
+//
+// The per-channel formulas are gate.cuh's, which the fused decode step of
+// recurrence.cu computes too.
 #include "common.cuh"
+#include "gate.cuh"
 
 namespace berrylm::gate {
 
@@ -17,12 +21,8 @@ __global__ void kda_gate_kernel(const T* __restrict__ raw, const float* __restri
     for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
          i += stride) {
         const int channel = static_cast<int>(i % width);
-        const float x = __fadd_rn(berrylm::to_f32(raw[i]), dt_bias[channel]);
-        const float softplus = x > 20.0f ? x : log1pf(expf(x));
-        const float decay_rate = -expf(a_log[channel / head_dim]);
-        float g = __fmul_rn(decay_rate, softplus);
-        if (has_lower_bound && g < lower_bound) g = lower_bound;
-        out[i] = g;
+        out[i] = forget_gate(berrylm::to_f32(raw[i]), dt_bias[channel], a_log[channel / head_dim],
+                             has_lower_bound != 0, lower_bound);
     }
 }
 
@@ -34,8 +34,7 @@ __global__ void kda_beta_kernel(const T* __restrict__ b, long long b_stride,
     for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
          i += stride) {
         const long long row = i / width;
-        const float x = berrylm::to_f32(b[row * b_stride + (i - row * width)]);
-        out[i] = __fdiv_rn(1.0f, __fadd_rn(expf(-x), 1.0f));
+        out[i] = write_strength(berrylm::to_f32(b[row * b_stride + (i - row * width)]));
     }
 }
 

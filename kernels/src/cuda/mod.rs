@@ -101,7 +101,7 @@ pub(crate) use moe::{moe_block_decode, moe_experts, moe_experts_quantized};
 pub(crate) use norm::offset_rms_norm;
 pub(crate) use paged_attention::paged_decode_attention;
 pub(crate) use quantized::{dense_matmul, quantized_matmul};
-pub(crate) use recurrence::{kda_recurrence, kda_recurrence_in_pool};
+pub(crate) use recurrence::{kda_decode_gated, kda_recurrence, kda_recurrence_in_pool};
 
 /// Dtype codes understood by the kernels (`berrylm::DTypeCode` in common.cuh).
 const DTYPE_F32: c_int = 0;

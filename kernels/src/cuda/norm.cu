@@ -5,7 +5,8 @@
 //   n  = round_x(x / sqrt(mean(x^2) + eps))     (f32)
 //   wn = round_x(weight * n)
 //   y  = round_x(wn * silu(z))                  (z in f32)
-// One warp per row; each lane strides over the row (coalesced).
+// One warp per row; each lane strides over the row (coalesced); the row's
+// arithmetic is gated_norm.cuh's (the fused KDA decode step shares it).
 //
 // (1 + w) RMSNorm (BerryLMRMSNorm), `scale` = 1 + w in f32:
 //   y  = round_x(x / sqrt(sum(x^2) * inv_width + eps) * scale)    (f32)
@@ -21,6 +22,7 @@
 // size) take a block each, 8 elements a thread in 16-byte vectors; others
 // one to eight warps per row, by width.
 #include "common.cuh"
+#include "gated_norm.cuh"
 #include "norm_rows.cuh"
 #include "weight_rows.cuh"
 
@@ -41,18 +43,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     const TZ* zr = z + row * width;
     TX* yr = out + row * width;
     auto value = [&](int i) { return berrylm::round_to<TX>(berrylm::to_f32(xr[i])); };
-    float sum_sq = 0.0f;
+    const float inv_rms = berrylm::gated_norm::inverse_rms(value, width, eps, lane);
     for (int i = lane; i < width; i += 32) {
-        const float v = value(i);
-        sum_sq += v * v;
-    }
-    sum_sq = berrylm::warp_sum(sum_sq);
-    const float mean_sq = __fdiv_rn(sum_sq, static_cast<float>(width));
-    const float inv_rms = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean_sq, eps)));
-    for (int i = lane; i < width; i += 32) {
-        const float n = berrylm::round_to<TX>(__fmul_rn(value(i), inv_rms));
-        const float wn = berrylm::round_to<TX>(__fmul_rn(weight[i], n));
-        yr[i] = berrylm::from_f32<TX>(__fmul_rn(wn, berrylm::silu(berrylm::to_f32(zr[i]))));
+        yr[i] = berrylm::gated_norm::gated_output<TX>(value(i), inv_rms, weight[i],
+                                                      berrylm::to_f32(zr[i]));
     }
 }
 

@@ -28,6 +28,13 @@
 //   B * Hv >= 128 (about one block per SM or more); the `tiles` kernel, with
 //   4x more blocks, serves smaller decode batches.
 //
+// The fused decode step (berrylm_kda_decode_gated) is the `rows` kernel with
+// its inputs and output widened to the KDA layer's: each block computes its
+// head's forget gate and write strength from the projections (gate.cuh) and,
+// holding the head's whole output row, the gated RMSNorm (gated_norm.cuh),
+// so that a decode step's gate, beta, recurrence and norm are one launch
+// instead of four, computed with the same operations.
+//
 // In a pool (berrylm_kda_recurrence with slots), every kernel reads and writes
 // the state of sequence b at row slots[b] of the pool, in place
 // (`state_row` in recurrence.cuh says why that is safe); the kernel choice
@@ -37,6 +44,8 @@
 // alignment rule; the prefill algorithm is the caller's explicit choice
 // (`prefill_algorithm` of berrylm_kda_recurrence). Nothing here reads the
 // environment.
+#include "gate.cuh"
+#include "gated_norm.cuh"
 #include "recurrence.cuh"
 
 namespace berrylm::recurrence {
@@ -205,13 +214,37 @@ constexpr int kRowsWarps = 8;
 constexpr int kRowsPerWarp = 16;  // 8 warps x 16 rows: dk <= 128
 constexpr int kRowsDv = 128;      // 32 lanes x float4
 
+// The fused decode step's inputs besides RecurrenceArgs' q, k, v, states and
+// slots (its g, beta and out unused), sequence b's in row b of each, in the
+// dtype T of q, k and v.
 template <typename T>
+struct GatedStep {
+    const T* raw_gate;  // [B, Hv * dk] rows raw_gate_stride apart: f_up's output
+    long long raw_gate_stride;
+    const T* b;  // [B, Hv] rows b_stride apart: the write strength's logits
+    long long b_stride;
+    const float* a_log;    // [Hv]
+    const float* dt_bias;  // [Hv * dk]
+    int has_lower_bound;
+    float lower_bound;
+    const T* z;  // [B, Hv * dv] rows z_stride apart: the output gate
+    long long z_stride;
+    const float* norm_weight;  // [dv]
+    float norm_eps;
+    T* out;  // [B, Hv * dv]: the normed, gated output
+};
+
+// kGated: the fused decode step (`gated`), else the recurrence alone
+// (`gated` unused).
+template <typename T, bool kGated>
 __global__ void __launch_bounds__(kRowsWarps * 32, 2)
-    kda_decode_rows(const RecurrenceArgs args) {
+    kda_decode_rows(const RecurrenceArgs args, const GatedStep<T> gated) {
     __shared__ float sh_q[kRowsWarps * kRowsPerWarp];
     __shared__ float sh_k[kRowsWarps * kRowsPerWarp];
     __shared__ float sh_decay[kRowsWarps * kRowsPerWarp];
     __shared__ float4 red[kRowsWarps][32];
+    __shared__ float sh_beta;
+    __shared__ float sh_out[kRowsDv];  // kGated: the head's output row, rounded
 
     const int tid = threadIdx.x;
     const int lane = tid & 31;
@@ -246,13 +279,29 @@ __global__ void __launch_bounds__(kRowsWarps * 32, 2)
     if (tid < dk) {
         sh_q[tid] = berrylm::to_f32(q[qk_base + tid]);
         sh_k[tid] = berrylm::to_f32(k[qk_base + tid]);
-        sh_decay[tid] = expf(args.g[head * dk + tid]);
+        float g;
+        if constexpr (kGated) {
+            const int channel = h * dk + tid;
+            g = berrylm::gate::forget_gate(
+                berrylm::to_f32(gated.raw_gate[b * gated.raw_gate_stride + channel]),
+                gated.dt_bias[channel], gated.a_log[h], gated.has_lower_bound != 0,
+                gated.lower_bound);
+        } else {
+            g = args.g[head * dk + tid];
+        }
+        sh_decay[tid] = expf(g);
+    }
+    if constexpr (kGated) {
+        if (tid == 0) {
+            sh_beta =
+                berrylm::gate::write_strength(berrylm::to_f32(gated.b[b * gated.b_stride + h]));
+        }
     }
     const T* v_head = v + head * kRowsDv + 4 * lane;
     const float4 v4 = make_float4(berrylm::to_f32(v_head[0]), berrylm::to_f32(v_head[1]),
                                   berrylm::to_f32(v_head[2]), berrylm::to_f32(v_head[3]));
-    const float beta = args.beta[head];
     __syncthreads();
+    const float beta = kGated ? sh_beta : args.beta[head];
 
     const float2 inv = inverse_l2_norms(sh_q, sh_k, dk, lane);
     const float q_inv = inv.x, k_inv = inv.y;
@@ -313,7 +362,25 @@ __global__ void __launch_bounds__(kRowsWarps * 32, 2)
         float total = 0.0f;
 #pragma unroll
         for (int w = 0; w < kRowsWarps; ++w) total += red_f[w * kRowsDv + tid];
-        args.out[head * kRowsDv + tid] = total;
+        if constexpr (kGated) {
+            sh_out[tid] = berrylm::round_to<T>(total);
+        } else {
+            args.out[head * kRowsDv + tid] = total;
+        }
+    }
+    if constexpr (kGated) {
+        // The head's output row normed and gated: each of the first
+        // kRowsDv / 32 warps sums the whole row's squares and writes 32
+        // columns.
+        __syncthreads();
+        if (warp < kRowsDv / 32) {
+            const float inv_rms = berrylm::gated_norm::inverse_rms(
+                [&](int i) { return sh_out[i]; }, kRowsDv, gated.norm_eps, lane);
+            const int column = warp * 32 + lane;
+            gated.out[head * kRowsDv + column] = berrylm::gated_norm::gated_output<T>(
+                sh_out[column], inv_rms, gated.norm_weight[column],
+                berrylm::to_f32(gated.z[b * gated.z_stride + h * kRowsDv + column]));
+        }
     }
 }
 
@@ -342,7 +409,7 @@ int launch(const RecurrenceArgs& args, int batch, PrefillAlgorithm prefill, cuda
                          args.key_dim <= kRowsWarps * kRowsPerWarp && aligned;
     if (rows_ok && static_cast<long long>(batch) * args.value_heads >= 128) {
         const dim3 grid(args.value_heads, batch);
-        kda_decode_rows<T><<<grid, kRowsWarps * 32, 0, stream>>>(args);
+        kda_decode_rows<T, false><<<grid, kRowsWarps * 32, 0, stream>>>(args, GatedStep<T>{});
         return berrylm::launch_status();
     }
     // Prefill: the chunked kernels when asked for and the shape fits (the
@@ -407,4 +474,52 @@ extern "C" int berrylm_kda_recurrence(int qkv_dtype, const void* q, const void* 
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     BERRYLM_DISPATCH_DTYPE(qkv_dtype, T, { return launch<T>(args, batch, prefill, s); });
     return 0;
+}
+
+// The fused KDA decode step (one token per sequence, dv = 128, dk <= 128):
+// from the layer's projections and the conv's q, k, v (dtype `dtype`, all
+// alike) to the normed, gated output `out` ([batch, Hv * dv], `dtype`), the
+// recurrent states updated in place in rows slots[b] of `states` ([rows, Hv,
+// dk, dv], f32, 16-byte aligned) as berrylm_kda_recurrence does. Equals
+// berrylm_kda_gate, berrylm_kda_beta, berrylm_kda_recurrence and
+// berrylm_gated_rms_norm (x f32, out_dtype = dtype) in turn, bit for bit
+// where berrylm_kda_recurrence runs its `rows` kernel (batch * Hv >= 128).
+// Other shapes and a misaligned pool are rejected with cudaErrorInvalidValue.
+extern "C" int berrylm_kda_decode_gated(
+    int dtype, const void* q, const void* k, const void* v, const void* raw_gate,
+    long long raw_gate_stride, const void* b, long long b_stride, const float* a_log,
+    const float* dt_bias, int has_lower_bound, float lower_bound, const void* z,
+    long long z_stride, const float* norm_weight, float norm_eps, float* states,
+    const uint32_t* slots, int state_rows, void* out, int batch, int key_heads, int value_heads,
+    int key_dim, int value_dim, void* stream) {
+    if (batch == 0 || value_heads == 0) return 0;
+    const bool aligned = reinterpret_cast<uintptr_t>(states) % 16 == 0;
+    if (batch > 65535 || value_heads > 65535 || key_heads <= 0 ||
+        value_heads % key_heads != 0 || key_dim <= 0 || key_dim > kRowsWarps * kRowsPerWarp ||
+        value_dim != kRowsDv || state_rows < 0 || !aligned) {
+        return static_cast<int>(cudaErrorInvalidValue);
+    }
+    const float query_scale = static_cast<float>(1.0 / sqrt(static_cast<double>(key_dim)));
+    const RecurrenceArgs args{q,      k,        v,          nullptr,     nullptr, states,
+                              nullptr, states,  slots,      state_rows,  1,       key_heads,
+                              value_heads, key_dim, value_dim, query_scale};
+    const dim3 grid(value_heads, batch);
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    BERRYLM_DISPATCH_DTYPE(dtype, T, {
+        const GatedStep<T> gated{static_cast<const T*>(raw_gate),
+                                 raw_gate_stride,
+                                 static_cast<const T*>(b),
+                                 b_stride,
+                                 a_log,
+                                 dt_bias,
+                                 has_lower_bound,
+                                 lower_bound,
+                                 static_cast<const T*>(z),
+                                 z_stride,
+                                 norm_weight,
+                                 norm_eps,
+                                 static_cast<T*>(out)};
+        kda_decode_rows<T, true><<<grid, kRowsWarps * 32, 0, s>>>(args, gated);
+    });
+    return berrylm::launch_status();
 }

@@ -1,6 +1,7 @@
 //! Binding of `recurrence.cu` (and through it `chunked.cu`): the KDA
 //! recurrence, with the states in and out as tensors or as rows of an `f32`
-//! state pool, updated in place.
+//! state pool, updated in place; and the fused decode step of
+//! `kda_core_in_pool` (gate, write strength, recurrence and gated norm).
 
 use std::ffi::{c_int, c_void};
 
@@ -8,7 +9,9 @@ use candle_core::{DType, Tensor};
 
 use super::{c_size, dtype_code, Args, In, Launch, Out};
 use crate::recurrence::{KdaTokens, RecurrenceDims};
-use crate::{invalid_argument, KdaPrefillAlgorithm, Result, StatePool};
+use crate::{
+    invalid_argument, KdaCoreInputs, KdaCoreParams, KdaPrefillAlgorithm, Result, StatePool,
+};
 
 /// Values of `berrylm_kda_recurrence`'s `prefill_algorithm` argument
 /// (`berrylm::recurrence::PrefillAlgorithm` in recurrence.cu).
@@ -17,6 +20,35 @@ const PREFILL_CHUNKED: c_int = 1;
 
 extern "C" {
     fn berrylm_kda_recurrence_max_key_dim() -> c_int;
+
+    fn berrylm_kda_decode_gated(
+        dtype: c_int,
+        q: *const c_void,
+        k: *const c_void,
+        v: *const c_void,
+        raw_gate: *const c_void,
+        raw_gate_stride: i64,
+        b: *const c_void,
+        b_stride: i64,
+        a_log: *const f32,
+        dt_bias: *const f32,
+        has_lower_bound: c_int,
+        lower_bound: f32,
+        z: *const c_void,
+        z_stride: i64,
+        norm_weight: *const f32,
+        norm_eps: f32,
+        states: *mut f32,
+        slots: *const u32,
+        state_rows: c_int,
+        out: *mut c_void,
+        batch: c_int,
+        key_heads: c_int,
+        value_heads: c_int,
+        key_dim: c_int,
+        value_dim: c_int,
+        stream: *mut c_void,
+    ) -> c_int;
 
     fn berrylm_kda_recurrence(
         qkv_dtype: c_int,
@@ -94,6 +126,85 @@ pub(crate) fn kda_recurrence_in_pool(
         Ok(unsafe { call.launch(p, p.pool(), p.pool(), p.input(slots), pool_rows) })
     })?;
     Ok(outputs.tensor(call.out))
+}
+
+/// CUDA `kda_core_in_pool` for a decode step in its fused kernel; arguments
+/// validated by the caller, which checked that the kernel takes the shape
+/// (`T = 1`, `dv = 128`, `dk <= 128`) and that every token input has
+/// `dtype`.
+pub(crate) fn kda_decode_gated(
+    inputs: &KdaCoreInputs<'_>,
+    params: &KdaCoreParams<'_>,
+    pool: StatePool<'_>,
+    dims: &RecurrenceDims,
+    dtype: DType,
+) -> Result<Tensor> {
+    const OP: &str = "kda_core_in_pool";
+    let mut launch = Launch::new(OP, inputs.q)?;
+    let [q, k, v] = launch.inputs([("q", inputs.q), ("k", inputs.k), ("v", inputs.v)])?;
+    let (raw_gate, raw_gate_stride) = launch.input_rows("raw_gate", inputs.raw_gate)?;
+    let (b, b_stride) = launch.input_rows("b", inputs.b)?;
+    let (z, z_stride) = launch.input_rows("z", inputs.z)?;
+    let a_log = launch.input_as("a_log", params.a_log, DType::F32)?;
+    let dt_bias = launch.input_as("dt_bias", params.dt_bias, DType::F32)?;
+    let norm_weight = launch.input_as("norm_weight", params.norm_weight, DType::F32)?;
+    let slots = launch.input("slots", pool.slots)?;
+    launch.in_pool(pool.states)?;
+    let out = launch.output(
+        &[dims.batch, dims.seq_len, dims.value_heads * dims.value_dim],
+        dtype,
+    )?;
+    let (has_lower_bound, lower_bound) = match params.gate_lower_bound {
+        Some(bound) => (1, bound),
+        None => (0, 0.0),
+    };
+    let dtype = dtype_code(OP, dtype)?;
+    let pool_rows = c_size(OP, "pool", pool.states.dim(0)?)?;
+    let sizes = [
+        c_size(OP, "q", dims.batch)?,
+        c_size(OP, "q", dims.key_heads)?,
+        c_size(OP, "v", dims.value_heads)?,
+        c_size(OP, "q", dims.key_dim)?,
+        c_size(OP, "v", dims.value_dim)?,
+    ];
+    let outputs = launch.run(|p| {
+        // SAFETY: as in `run_kernel!`; `raw_gate`, `b` and `z` are read as
+        // `B` rows of their widths at the strides their layouts have; the
+        // pool is `pool_rows` contiguous rows of `Hv * dk * dv` f32 values
+        // from `p.pool()`, read and written in place in rows `slots[b] <
+        // pool_rows` only.
+        Ok(unsafe {
+            berrylm_kda_decode_gated(
+                dtype,
+                p.input(q),
+                p.input(k),
+                p.input(v),
+                p.input(raw_gate),
+                raw_gate_stride as i64,
+                p.input(b),
+                b_stride as i64,
+                p.input(a_log),
+                p.input(dt_bias),
+                has_lower_bound,
+                lower_bound,
+                p.input(z),
+                z_stride as i64,
+                p.input(norm_weight),
+                params.norm_eps as f32,
+                p.pool(),
+                p.input(slots),
+                pool_rows,
+                p.output(out),
+                sizes[0],
+                sizes[1],
+                sizes[2],
+                sizes[3],
+                sizes[4],
+                p.stream(),
+            )
+        })
+    })?;
+    Ok(outputs.tensor(out))
 }
 
 /// What the two bindings pass `berrylm_kda_recurrence` alike: the token

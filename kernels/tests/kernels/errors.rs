@@ -1,7 +1,8 @@
 use berrylm_kernels::{
-    attn_res_mix, causal_conv1d, decode_matmul, gated_rms_norm, kda_gate, kda_recurrence,
-    kda_recurrence_in_pool_with, kda_recurrence_with, moe_block_decode, moe_route, offset_rms_norm,
-    KdaPrefillAlgorithm, MoeBlockInputs, MoeBlockWeights, Result, StatePool,
+    attn_res_mix, causal_conv1d, decode_matmul, gated_rms_norm, kda_core_in_pool, kda_gate,
+    kda_recurrence, kda_recurrence_in_pool_with, kda_recurrence_with, moe_block_decode, moe_route,
+    offset_rms_norm, KdaCoreInputs, KdaCoreParams, KdaPrefillAlgorithm, MoeBlockInputs,
+    MoeBlockWeights, Result, StatePool,
 };
 
 use crate::common::assert_rejects;
@@ -88,6 +89,120 @@ fn kda_recurrence_rejects_bad_arguments() {
             "k",
         );
     }
+}
+
+#[test]
+fn kda_core_in_pool_rejects_bad_arguments() -> Result<()> {
+    let (b, t, hk, hv, dk, dv, rows) = (2, 1, 2, 4, 5, 6, 3);
+    let q = zeros(&[b, t, hk, dk]);
+    let v = zeros(&[b, t, hv, dv]);
+    let raw_gate = zeros(&[b, t, hv * dk]);
+    let beta_logits = zeros(&[b, t, hv]);
+    let z = zeros(&[b, t, hv * dv]);
+    let a_log = zeros(&[hv]);
+    let dt_bias = zeros(&[hv * dk]);
+    let norm_weight = zeros(&[dv]);
+    let pool = zeros(&[rows, hv, dk, dv]);
+    let host = [2u32, 0];
+    let slots = Tensor::new(&host, &Device::Cpu)?;
+    let good = KdaCoreInputs {
+        q: &q,
+        k: &q,
+        v: &v,
+        raw_gate: &raw_gate,
+        b: &beta_logits,
+        z: &z,
+    };
+    let params = KdaCoreParams {
+        a_log: &a_log,
+        dt_bias: &dt_bias,
+        gate_lower_bound: None,
+        norm_weight: &norm_weight,
+        norm_eps: 1e-6,
+    };
+    let run = |inputs: &KdaCoreInputs<'_>, params: &KdaCoreParams<'_>, pool: &Tensor| {
+        let pool = StatePool {
+            states: pool,
+            slots: &slots,
+            host_slots: &host,
+        };
+        kda_core_in_pool(
+            KdaPrefillAlgorithm::Sequential,
+            inputs,
+            params,
+            pool,
+            DType::F32,
+        )
+    };
+    let op = "kda_core_in_pool";
+    // The arguments are sound: the call runs and gives [B, T, Hv * dv].
+    assert_eq!(run(&good, &params, &pool)?.dims(), &[b, t, hv * dv]);
+    let wrong_gate = zeros(&[b, t, hv * dk + 1]);
+    let wrong_b = zeros(&[b, t, hv + 1]);
+    let wrong_z = zeros(&[b, t, hv * dv - 1]);
+    let wrong_v = zeros(&[b, t, 3, dv]);
+    for (inputs, arg) in [
+        (
+            KdaCoreInputs {
+                v: &wrong_v,
+                ..good
+            },
+            "v",
+        ),
+        (
+            KdaCoreInputs {
+                raw_gate: &wrong_gate,
+                ..good
+            },
+            "raw_gate",
+        ),
+        (
+            KdaCoreInputs {
+                b: &wrong_b,
+                ..good
+            },
+            "b",
+        ),
+        (
+            KdaCoreInputs {
+                z: &wrong_z,
+                ..good
+            },
+            "z",
+        ),
+    ] {
+        assert_rejects(run(&inputs, &params, &pool), op, arg);
+    }
+    let wrong_a_log = zeros(&[hv + 1]);
+    let wrong_dt_bias = zeros(&[hv]);
+    let wrong_norm = zeros(&[dk]);
+    for (params, arg) in [
+        (
+            KdaCoreParams {
+                a_log: &wrong_a_log,
+                ..params
+            },
+            "a_log",
+        ),
+        (
+            KdaCoreParams {
+                dt_bias: &wrong_dt_bias,
+                ..params
+            },
+            "dt_bias",
+        ),
+        (
+            KdaCoreParams {
+                norm_weight: &wrong_norm,
+                ..params
+            },
+            "norm_weight",
+        ),
+    ] {
+        assert_rejects(run(&good, &params, &pool), op, arg);
+    }
+    assert_rejects(run(&good, &params, &zeros(&[rows, hv, dk, 4])), op, "pool");
+    Ok(())
 }
 
 #[test]

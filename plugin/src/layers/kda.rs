@@ -1,7 +1,7 @@
 //! KDA linear attention: packed q|k|v short conv with state, a per-channel
 //! forget gate, the gated delta rule in fp32, and a SiLU-gated output norm.
 
-use berrylm_kernels::{KdaPrefillAlgorithm, StatePool};
+use berrylm_kernels::{KdaCoreInputs, KdaCoreParams, KdaPrefillAlgorithm, StatePool};
 use candle_core::{DType, Module, Result, Tensor};
 
 use crate::config::BerryLmConfig;
@@ -155,32 +155,17 @@ impl Kda {
         let key_dim = self.num_key_heads * self.key_head_dim;
         let value_dim = self.num_value_heads * self.value_head_dim;
 
-        // Views of the stacked projection's columns (contiguous for one
-        // token), or for prompts each its own tensor: the kernels below read
-        // them in place; `z`, reshaped, is copied when it is a view of
-        // several rows (by a kernel a decode graph can capture).
+        // Views of the stacked projection's columns, which the kernels below
+        // read in place.
         let projected = self.in_proj.forward(x)?;
-        let mixed = projected.part(0)?;
-        let z = berrylm_kernels::contiguous(&projected.part(1)?)?;
-        let b = projected.part(2)?;
-        let gate_down = projected.part(3)?;
-        let beta = berrylm_kernels::kda_beta(&b)?;
-        let raw_gate = self.f_up_proj.forward(&gate_down)?;
-        let gate = berrylm_kernels::kda_gate(
-            &raw_gate.reshape((batch * seq_len, self.num_value_heads * self.key_head_dim))?,
-            &self.a_log,
-            &self.dt_bias,
-            self.num_value_heads,
-            self.gate_lower_bound,
-        )?
-        .reshape((batch, seq_len, self.num_value_heads, self.key_head_dim))?;
+        let raw_gate = self.f_up_proj.forward(&projected.part(3)?)?;
 
         // The pool keeps the conv state in f32; its columns are activation
         // values, exact in f32, and the kernel reads each sequence's row and
         // writes the new state back into it in the pool's dtype. The packed
         // q|k|v come out as three tensors.
         let qkv = berrylm_kernels::causal_conv1d_split_in_pool(
-            &mixed,
+            &projected.part(0)?,
             &self.conv_weight,
             state.conv,
             &[key_dim, key_dim, value_dim],
@@ -191,10 +176,6 @@ impl Kda {
                 parts.len()
             ))
         })?;
-        let q = q.reshape((batch, seq_len, self.num_key_heads, self.key_head_dim))?;
-        let k = k.reshape((batch, seq_len, self.num_key_heads, self.key_head_dim))?;
-        let v = v.reshape((batch, seq_len, self.num_value_heads, self.value_head_dim))?;
-        let beta = beta.reshape((batch, seq_len, self.num_value_heads))?;
         // A float32 model keeps f32 arithmetic in the recurrence (the exact
         // path). Lower-precision activations take the kernels' default, which
         // computes long CUDA prefills with TF32 tensor-core products, an error
@@ -204,27 +185,28 @@ impl Kda {
         } else {
             KdaPrefillAlgorithm::for_len(seq_len)
         };
-        let out = berrylm_kernels::kda_recurrence_in_pool_with(
+        // Gate, write strength, the recurrence and the gated norm (one
+        // kernel for a CUDA decode step).
+        let normed = berrylm_kernels::kda_core_in_pool(
             algorithm,
-            &q,
-            &k,
-            &v,
-            &gate,
-            &beta,
+            &KdaCoreInputs {
+                q: &q.reshape((batch, seq_len, self.num_key_heads, self.key_head_dim))?,
+                k: &k.reshape((batch, seq_len, self.num_key_heads, self.key_head_dim))?,
+                v: &v.reshape((batch, seq_len, self.num_value_heads, self.value_head_dim))?,
+                raw_gate: &raw_gate,
+                b: &projected.part(2)?,
+                z: &projected.part(1)?,
+            },
+            &KdaCoreParams {
+                a_log: &self.a_log,
+                dt_bias: &self.dt_bias,
+                gate_lower_bound: self.gate_lower_bound,
+                norm_weight: &self.norm_weight,
+                norm_eps: self.norm_eps,
+            },
             state.recurrent,
-        )?;
-
-        let rows = batch * seq_len * self.num_value_heads;
-        // The recurrence's f32 output, rounded to the activations' dtype as
-        // the norm reads it.
-        let normed = berrylm_kernels::gated_rms_norm(
-            &out.reshape((rows, self.value_head_dim))?,
-            &z.reshape((rows, self.value_head_dim))?,
-            &self.norm_weight,
-            self.norm_eps,
             dtype,
         )?;
-        self.out_proj
-            .forward(&normed.reshape((batch, seq_len, value_dim))?)
+        self.out_proj.forward(&normed)
     }
 }
