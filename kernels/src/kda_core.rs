@@ -114,14 +114,8 @@ fn composition(
     dims: &RecurrenceDims,
     dtype: DType,
 ) -> Result<Tensor> {
-    let &RecurrenceDims {
-        batch,
-        seq_len,
-        value_heads,
-        key_dim,
-        value_dim,
-        ..
-    } = dims;
+    let (batch, seq_len, value_heads) = (dims.batch, dims.seq_len, dims.value_heads);
+    let (key_dim, value_dim) = (dims.key_dim, dims.value_dim);
     let tokens = batch * seq_len;
     let gate = kda_gate(
         &inputs.raw_gate.reshape((tokens, value_heads * key_dim))?,

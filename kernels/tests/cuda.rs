@@ -990,20 +990,7 @@ fn pool_case(seed: u64, s: RecSizes, qkv: DType, pad: bool) -> Result<()> {
     let tensor_cores = s.seq_len >= 64;
     let tol = if tensor_cores { CHUNKED_TF32 } else { TIGHT };
     compare(&format!("{what} output"), &o_gpu, &o_cpu, tol)?;
-    compare(
-        &format!("{what} state rows"),
-        &pool_rows(&pool_gpu, &real)?,
-        &pool_rows(&pool_cpu, &real)?,
-        tol,
-    )?;
-    let others: Vec<u32> = (0..POOL_ROWS as u32)
-        .filter(|row| !real.contains(row))
-        .collect();
-    identical(
-        &format!("{what} other rows"),
-        &pool_rows(&pool_gpu, &others)?,
-        &pool_rows(&pool, &others)?,
-    )?;
+    compare_pool_rows(&what, &pool_gpu, &pool_cpu, &pool, &real, tol)?;
     identical(
         &format!("{what} output vs kda_recurrence"),
         &o_gpu,
@@ -1015,6 +1002,33 @@ fn pool_case(seed: u64, s: RecSizes, qkv: DType, pad: bool) -> Result<()> {
         &pool_rows(&s_gathered.to_device(&Device::Cpu)?, &real_rows)?,
     )?;
     Ok(())
+}
+
+/// The rows `real` of a pool updated on the GPU (`pool_gpu`) within `tol` of
+/// those of the same update on the CPU (`pool_cpu`), and every other row
+/// equal bit for bit to the pool before the update (`before`).
+fn compare_pool_rows(
+    what: &str,
+    pool_gpu: &Tensor,
+    pool_cpu: &Tensor,
+    before: &Tensor,
+    real: &[u32],
+    tol: Tol,
+) -> Result<()> {
+    compare(
+        &format!("{what} state rows"),
+        &pool_rows(pool_gpu, real)?,
+        &pool_rows(pool_cpu, real)?,
+        tol,
+    )?;
+    let others: Vec<u32> = (0..POOL_ROWS as u32)
+        .filter(|row| !real.contains(row))
+        .collect();
+    identical(
+        &format!("{what} other rows"),
+        &pool_rows(pool_gpu, &others)?,
+        &pool_rows(before, &others)?,
+    )
 }
 
 /// Decode (T = 1: the `rows` kernel from B * Hv >= 128, i.e. B >= 4 here,

@@ -13,8 +13,8 @@ use berrylm_kernels::{
 use candle_core::{DType, Device, Tensor};
 
 use super::{
-    compare, gpu, identical, model, output_tol, random, scattered_slots, to_gpu, with_pad_rows,
-    RecSizes, POOL_ROWS, TIGHT,
+    compare, compare_pool_rows, gpu, identical, model, output_tol, random, scattered_slots, to_gpu,
+    with_pad_rows, RecSizes, POOL_ROWS, TIGHT,
 };
 use crate::common::{pool_rows, Rng};
 
@@ -191,20 +191,7 @@ fn check(seed: u64, s: RecSizes, dtype: DType, pad: bool, lower_bound: Option<f3
         &out_cpu,
         output_tol(dtype),
     )?;
-    compare(
-        &format!("{what} state rows"),
-        &pool_rows(&fused.pool, &real)?,
-        &pool_rows(&cpu.pool, &real)?,
-        TIGHT,
-    )?;
-    let others: Vec<u32> = (0..POOL_ROWS as u32)
-        .filter(|row| !real.contains(row))
-        .collect();
-    identical(
-        &format!("{what} other rows"),
-        &pool_rows(&fused.pool, &others)?,
-        &pool_rows(&before, &others)?,
-    )?;
+    compare_pool_rows(&what, &fused.pool, &cpu.pool, &before, &real, TIGHT)?;
     let bitwise = s.seq_len == 1 && s.batch * s.hv >= 128;
     if bitwise {
         identical(
