@@ -12,10 +12,12 @@
 //
 // Split-KV ("flash decoding"): a thread block takes one sequence, one
 // partition of kPartition tokens and query heads of one KV head (its whole
-// group, up to kMaxGroup, or a part of it where the batch is small): a lane per token computes the group's scores from its
-// key, X channels (16 bytes) at a time, into shared memory; then a warp per
-// query head its partition's softmax; then each thread a channel of the
-// values, 8 tokens (16 bytes of a value row) at a time. With one
+// group, up to kMaxGroup, or a part of it where the batch is small): the
+// lanes of a token (D / X / kKeyPieces of them, X channels = 16 bytes a
+// piece) load their kKeyPieces pieces of its key at once and compute the
+// group's scores into shared memory, adding their shares with shuffles;
+// then a warp per query head its partition's softmax; then each thread a
+// channel of the values, 8 tokens (16 bytes of a value row) at a time. With one
 // partition it writes the output; with several, f32 partial sums with their
 // maximum and sum of exponentials, which combine_kernel merges. The grid
 // depends on the shapes alone (the block tables' width), so the launches can
@@ -34,6 +36,10 @@ constexpr int kPartition = 512;
 // Query heads per KV head a block takes (one warp each for the softmax).
 constexpr int kMaxGroup = kWarps;  // must match MAX_GROUP in src/cuda/paged_attention.rs
 constexpr int kChunk = 8;          // tokens of a value row read at once
+// Pieces of X channels of a key each lane loads at once: a token's key is
+// D / X / kKeyPieces lanes' (4 at D = 256), so that one load's latency, not
+// 32 in a row, precedes a score.
+constexpr int kKeyPieces = 8;
 // Blocks a call should have before it gives each block fewer query heads
 // (about one per SM of an H200).
 constexpr long long kTargetBlocks = 128;
@@ -118,38 +124,58 @@ __global__ void __launch_bounds__(kThreads)
     }
     __syncthreads();
 
-    // Scores: a lane per token (tokens lane, lane + 32, ... of warp w's
-    // passes over the partition), each reading its key X channels at a time:
-    // the X-channel pieces of a block's consecutive slots are adjacent, so a
-    // warp's loads of one piece are one contiguous run. The query heads'
-    // channels come from shared memory (the same address for every lane).
+    // Scores: the kTokenLanes lanes of a token each load kKeyPieces pieces
+    // of its key (lane share `sub` takes pieces sub, sub + kTokenLanes,
+    // ...), all at once, multiply them with the query heads' channels (from
+    // shared memory) and add their shares over the token's lanes. A warp
+    // takes 32 / kTokenLanes tokens a pass, the pieces of one index of its
+    // tokens adjacent where their slots are (16-byte pieces of consecutive
+    // slots lie side by side).
+    constexpr int kTokenLanes = D / kX / kKeyPieces;
+    static_assert(kTokenLanes >= 1 && 32 % kTokenLanes == 0, "whole tokens a warp");
+    constexpr int kWarpTokens = 32 / kTokenLanes;
     const uint32_t* table = block_tables + static_cast<long long>(n) * s.max_blocks;
     const long long key_head_offset = static_cast<long long>(kv_head) * D * s.block_size;
-    for (int t = warp * 32 + lane; t - lane < len; t += kThreads) {
+    const int sub = lane % kTokenLanes;
+    for (int first = warp * kWarpTokens; first < len; first += kWarps * kWarpTokens) {
+        const int t = first + lane / kTokenLanes;
+        float dot[kMaxGroup] = {};
         if (t < len) {
             const int token = start + t;
             const long long block =
                 min(table[token / s.block_size], static_cast<uint32_t>(s.blocks - 1));
             const T* key = key_cache + block * s.key_block_stride + key_head_offset +
                            static_cast<long long>(token % s.block_size) * kX;
-            float dot[kMaxGroup] = {};
-#pragma unroll 4
-            for (int piece = 0; piece < D / kX; ++piece) {
-                float k[kX];
-                load_piece<T, kX>(key + static_cast<long long>(piece) * s.block_size * kX, k);
+            uint4 pieces[kKeyPieces];
+#pragma unroll
+            for (int i = 0; i < kKeyPieces; ++i) {
+                const int piece = sub + i * kTokenLanes;
+                pieces[i] = *reinterpret_cast<const uint4*>(
+                    key + static_cast<long long>(piece) * s.block_size * kX);
+            }
+#pragma unroll
+            for (int i = 0; i < kKeyPieces; ++i) {
+                const int channel = (sub + i * kTokenLanes) * kX;
+                const T* k = reinterpret_cast<const T*>(&pieces[i]);
 #pragma unroll
                 for (int g = 0; g < kMaxGroup; ++g) {
                     if (g < groups) {
 #pragma unroll
                         for (int e = 0; e < kX; ++e) {
-                            dot[g] = fmaf(query[g][piece * kX + e], k[e], dot[g]);
+                            dot[g] = fmaf(query[g][channel + e], berrylm::to_f32(k[e]), dot[g]);
                         }
                     }
                 }
             }
+        }
 #pragma unroll
-            for (int g = 0; g < kMaxGroup; ++g) {
-                if (g < groups) probs[g][t] = __fmul_rn(dot[g], s.scale);
+        for (int g = 0; g < kMaxGroup; ++g) {
+            if (g < groups) {
+#pragma unroll
+                for (int offset = kTokenLanes / 2; offset > 0; offset >>= 1) {
+                    dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], offset);
+                }
+                if (t < len && sub == 0) probs[g][t] = __fmul_rn(dot[g], s.scale);
             }
         }
     }
@@ -181,6 +207,7 @@ __global__ void __launch_bounds__(kThreads)
     const long long value_offset = static_cast<long long>(kv_head) * D * s.block_size +
                                    static_cast<long long>(d) * s.block_size;
     float acc[kMaxGroup] = {};
+#pragma unroll 4
     for (int c = part * kChunk; c < len; c += kParts * kChunk) {
         const int token = start + c;
         const long long block =

@@ -19,9 +19,13 @@
 // elements from the previous row, so that the query half of the per-head
 // interleaved q_proj output is read in place); its token, row / heads,
 // selects the cos/sin row. One to eight warps per row, by width. A lane
-// writing a rotated channel recomputes its partner's `n` from x (the same
-// operations, so the same value) instead of exchanging it through shared
-// memory.
+// loads the scales and the cos/sin entries of its channels with its values
+// (one round trip to memory before the root, not one after it). A rotated
+// channel's partner i -+ R/2 is a value of the same lane where R/2 is a
+// multiple of the lanes' stride over the row (BerryLM-OS: R/2 = 32 and 64 at
+// head dim 256); otherwise the lane recomputes the partner's `n` from x (the
+// same operations, so the same value) instead of exchanging it through
+// shared memory.
 #include "common.cuh"
 #include "norm_rows.cuh"
 
@@ -41,31 +45,77 @@ __global__ void __launch_bounds__(berrylm::norm_rows::kRowThreads)
                                 const T* __restrict__ sin_table, T* __restrict__ out, long long rows,
                                 int heads, int width, int rotary, int warps_per_row,
                                 float inv_width, float eps) {
+    constexpr int kCached = berrylm::norm_rows::kCachedValues;
     const berrylm::norm_rows::RowLanes lanes = berrylm::norm_rows::row_lanes(rows, warps_per_row);
-    const T* xr = x + (lanes.active ? lanes.row : 0) * x_row_stride;
+    const long long row = lanes.active ? lanes.row : 0;
+    const T* xr = x + row * x_row_stride;
+    const long long token = row / heads;
+    const T* cr = cos_table + token * rotary;
+    const T* sr = sin_table + token * rotary;
+    // The scales, cos and sin of the lane's cached channels.
+    float lane_scale[kCached];
+    float lane_cos[kCached];
+    float lane_sin[kCached];
+#pragma unroll
+    for (int c = 0; c < kCached; ++c) {
+        const int i = lanes.first + c * lanes.stride;
+        lane_scale[c] = lanes.active && i < width ? scale[i] : 0.0f;
+        const bool rotated = lanes.active && i < rotary;
+        lane_cos[c] = rotated ? berrylm::to_f32(cr[i]) : 0.0f;
+        lane_sin[c] = rotated ? berrylm::to_f32(sr[i]) : 0.0f;
+    }
     auto value = [&](int i) { return berrylm::to_f32(xr[i]); };
     berrylm::norm_rows::LaneValues values;
     const float rms =
         berrylm::norm_rows::row_root(lanes, width, warps_per_row, inv_width, eps, value, values);
     if (!lanes.active) return;
     const int half = rotary / 2;
-    const long long token = lanes.row / heads;
-    const T* cr = cos_table + token * rotary;
-    const T* sr = sin_table + token * rotary;
     T* yr = out + lanes.row * width;
-    values.for_each(lanes, width, value, [&](int i, float x_i) {
-        const float n = normed<T>(x_i, scale[i], rms);
-        if (i >= rotary) {
-            yr[i] = berrylm::from_f32<T>(n);
-            return;
-        }
-        const int j = i < half ? i + half : i - half;
-        const float partner_n = normed<T>(value(j), scale[j], rms);
+    // y[i] from n[i], its partner's n and the rotary entries of channel i.
+    auto rotate = [&](int i, float n, float partner_n, float cos_i, float sin_i) {
         const float partner = i < half ? -partner_n : partner_n;
-        const float cos_term = berrylm::round_to<T>(__fmul_rn(n, berrylm::to_f32(cr[i])));
-        const float sin_term = berrylm::round_to<T>(__fmul_rn(partner, berrylm::to_f32(sr[i])));
+        const float cos_term = berrylm::round_to<T>(__fmul_rn(n, cos_i));
+        const float sin_term = berrylm::round_to<T>(__fmul_rn(partner, sin_i));
         yr[i] = berrylm::from_f32<T>(__fadd_rn(cos_term, sin_term));
-    });
+    };
+    // n of a channel j read again from x.
+    auto normed_at = [&](int j) { return normed<T>(value(j), scale[j], rms); };
+
+    float n[kCached];
+#pragma unroll
+    for (int c = 0; c < kCached; ++c) n[c] = normed<T>(values.cached[c], lane_scale[c], rms);
+    const bool partners_cached = half % lanes.stride == 0;
+    const int shift = half / lanes.stride;
+#pragma unroll
+    for (int c = 0; c < kCached; ++c) {
+        const int i = lanes.first + c * lanes.stride;
+        if (i >= width) break;
+        if (i >= rotary) {
+            yr[i] = berrylm::from_f32<T>(n[c]);
+            continue;
+        }
+        const int partner_c = i < half ? c + shift : c - shift;
+        float partner_n = 0.0f;
+        if (partners_cached && partner_c < kCached) {
+#pragma unroll
+            for (int k = 0; k < kCached; ++k) {
+                if (k == partner_c) partner_n = n[k];
+            }
+        } else {
+            partner_n = normed_at(i < half ? i + half : i - half);
+        }
+        rotate(i, n[c], partner_n, lane_cos[c], lane_sin[c]);
+    }
+    // Channels past the cached ones (rows wider than kCached lanes' strides).
+    for (int i = lanes.first + kCached * lanes.stride; i < width; i += lanes.stride) {
+        const float n_i = normed_at(i);
+        if (i >= rotary) {
+            yr[i] = berrylm::from_f32<T>(n_i);
+        } else {
+            rotate(i, n_i, normed_at(i < half ? i + half : i - half), berrylm::to_f32(cr[i]),
+                   berrylm::to_f32(sr[i]));
+        }
+    }
 }
 
 }  // namespace berrylm::rope
