@@ -60,11 +60,11 @@ pub struct KdaCoreParams<'a> {
 /// leaving the new states in the pool's rows (as
 /// [`kda_recurrence_in_pool_with`] does). That composition is the CPU
 /// reference and what CUDA runs for prompts; a CUDA decode step (`T = 1`,
-/// `dv = 128`, `dk <= 128`, every input in `dtype`) runs it as one kernel
-/// with the same operations, whose result equals the composition's bit for
-/// bit where the recurrence's own decode kernel is the one-block-per-head
-/// kernel (`B * Hv >= 128`) and to the recurrence's summation order otherwise
-/// (`CUDA.md`).
+/// `dv = 128`, `dk <= 128`, every input in `dtype`, the pool's rows 16-byte
+/// aligned) runs it as one kernel with the same operations, whose result
+/// equals the composition's bit for bit where the recurrence's own decode
+/// kernel is the one-block-per-head kernel (`B * Hv >= 128`), and up to the
+/// recurrence's summation order otherwise (`CUDA.md`).
 pub fn kda_core_in_pool(
     algorithm: KdaPrefillAlgorithm,
     inputs: &KdaCoreInputs<'_>,
@@ -74,15 +74,22 @@ pub fn kda_core_in_pool(
 ) -> Result<Tensor> {
     let dims = validate(inputs, params, &pool, dtype)?;
     #[cfg(feature = "cuda")]
-    if fused_decode_applies(inputs, &dims, dtype) {
+    if fused_decode_applies(inputs, &pool, &dims, dtype) {
         return crate::cuda::kda_decode_gated(inputs, params, pool, &dims, dtype);
     }
     composition(algorithm, inputs, params, pool, &dims, dtype)
 }
 
-/// Whether a call runs as the fused CUDA decode kernel.
+/// Whether a call runs as the fused CUDA decode kernel: its shape, one dtype,
+/// and the pool's rows at 16-byte boundaries (its float4 loads; a device
+/// allocation is aligned, so the view's offset decides).
 #[cfg(feature = "cuda")]
-fn fused_decode_applies(inputs: &KdaCoreInputs<'_>, dims: &RecurrenceDims, dtype: DType) -> bool {
+fn fused_decode_applies(
+    inputs: &KdaCoreInputs<'_>,
+    pool: &StatePool<'_>,
+    dims: &RecurrenceDims,
+    dtype: DType,
+) -> bool {
     let KdaCoreInputs {
         q,
         k,
@@ -96,6 +103,7 @@ fn fused_decode_applies(inputs: &KdaCoreInputs<'_>, dims: &RecurrenceDims, dtype
         && dims.value_dim == FUSED_VALUE_DIM
         && dims.key_dim <= FUSED_MAX_KEY_DIM
         && [q, k, v, raw_gate, b, z].iter().all(|t| t.dtype() == dtype)
+        && pool.states.layout().start_offset().is_multiple_of(4)
 }
 
 /// The head sizes of the fused CUDA decode kernel (one block per head, a

@@ -160,12 +160,32 @@ impl Case {
     }
 }
 
+/// `pool`'s values in a view that starts `offset` elements into a larger
+/// buffer (contiguous, on the same device).
+fn offset_view(pool: &Tensor, offset: usize) -> Result<Tensor> {
+    let flat = pool.flatten_all()?;
+    let padding = Tensor::zeros(offset, pool.dtype(), pool.device())?;
+    let buffer = Tensor::cat(&[&padding, &flat], 0)?;
+    Ok(buffer
+        .narrow(0, offset, flat.elem_count())?
+        .reshape(pool.dims())?)
+}
+
 /// One call on the CPU, on CUDA through `kda_core_in_pool`, and on CUDA
 /// through the separate kernels, from the same pool: the CUDA output within
 /// a rounding step of `dtype` of the CPU's (f32: agreement up to summation
 /// order), the state rows at `slots` within `TIGHT`, every other row
 /// untouched; with `bitwise`, the two CUDA runs identical (output and rows).
-fn check(seed: u64, s: RecSizes, dtype: DType, pad: bool, lower_bound: Option<f32>) -> Result<()> {
+/// With `unaligned`, the CUDA pools start one element into their buffers, so
+/// that their rows are not 16-byte aligned.
+fn check(
+    seed: u64,
+    s: RecSizes,
+    dtype: DType,
+    pad: bool,
+    lower_bound: Option<f32>,
+    unaligned: bool,
+) -> Result<()> {
     let mut rng = Rng::new(seed);
     let mut slots = scattered_slots(&mut rng, s.batch, POOL_ROWS);
     if pad {
@@ -174,10 +194,14 @@ fn check(seed: u64, s: RecSizes, dtype: DType, pad: bool, lower_bound: Option<f3
     let real: Vec<u32> = slots.iter().copied().filter(|&s| s != PAD_SLOT).collect();
     let cpu = Case::new(&mut rng, &s, dtype)?;
     let before = cpu.pool.copy()?;
-    let fused = cpu.to_gpu()?;
-    let unfused = cpu.to_gpu()?;
+    let mut fused = cpu.to_gpu()?;
+    let mut unfused = cpu.to_gpu()?;
+    if unaligned {
+        fused.pool = offset_view(&fused.pool, 1)?;
+        unfused.pool = offset_view(&unfused.pool, 1)?;
+    }
     let what = format!(
-        "kda_core_in_pool B={} T={} dk={} dv={} {dtype:?} pad={pad} lower bound {lower_bound:?}",
+        "kda_core_in_pool B={} T={} dk={} dv={} {dtype:?} pad={pad} lower bound {lower_bound:?} unaligned={unaligned}",
         s.batch, s.seq_len, s.dk, s.dv
     );
 
@@ -219,20 +243,21 @@ fn kda_core_decode_matches_cpu_and_the_separate_kernels() -> Result<()> {
         .enumerate()
     {
         let seed = 1200 + 10 * i as u64;
-        check(seed, model(1, 1), dtype, false, None)?;
-        check(seed + 1, model(4, 1), dtype, false, Some(-0.5))?;
-        check(seed + 2, model(64, 1), dtype, true, None)?;
+        check(seed, model(1, 1), dtype, false, None, false)?;
+        check(seed + 1, model(4, 1), dtype, false, Some(-0.5), false)?;
+        check(seed + 2, model(64, 1), dtype, true, None, false)?;
     }
     Ok(())
 }
 
 /// Prompts (the separate kernels, token by token: at T = 3 in bf16 and at
-/// T = 64 in f32, as the plugin runs an f32 model) and a decode at head sizes
-/// the fused kernel does not take (dv = 33, dk = 65), against the CPU.
+/// T = 64 in f32, as the plugin runs an f32 model), a decode at head sizes
+/// the fused kernel does not take (dv = 33, dk = 65) and one on an unaligned
+/// pool, against the CPU.
 #[test]
 fn kda_core_prompts_and_other_heads_match_cpu() -> Result<()> {
-    check(1250, model(2, 3), DType::BF16, true, None)?;
-    check(1251, model(1, 64), DType::F32, false, None)?;
+    check(1250, model(2, 3), DType::BF16, true, None, false)?;
+    check(1251, model(1, 64), DType::F32, false, None, false)?;
     let odd = RecSizes {
         batch: 5,
         seq_len: 1,
@@ -241,5 +266,8 @@ fn kda_core_prompts_and_other_heads_match_cpu() -> Result<()> {
         dk: 65,
         dv: 33,
     };
-    check(1252, odd, DType::F32, false, Some(-1.0))
+    check(1252, odd, DType::F32, false, Some(-1.0), false)?;
+    // A decode step on a pool whose rows are not 16-byte aligned: the
+    // separate kernels (the recurrence's tiled one), not the fused kernel.
+    check(1253, model(8, 1), DType::BF16, true, None, true)
 }
