@@ -130,8 +130,8 @@ pub(crate) fn kda_recurrence_in_pool(
 
 /// CUDA `kda_core_in_pool` for a decode step in its fused kernel; arguments
 /// validated by the caller, which checked that the kernel takes the shape
-/// (`T = 1`, `dv = 128`, `dk <= 128`) and that every token input has
-/// `dtype`.
+/// (`T = 1`, `dv = 128`, `dk <= 128`), that every token input has `dtype`
+/// and that the pool's rows are 16-byte aligned.
 pub(crate) fn kda_decode_gated(
     inputs: &KdaCoreInputs<'_>,
     params: &KdaCoreParams<'_>,
