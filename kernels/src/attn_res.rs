@@ -2,12 +2,14 @@
 
 use candle_core::Tensor;
 
+use crate::norm::{cpu_offset_rms_norm, validate_offset_scale};
 use crate::{
     expect_device, expect_dim, expect_positive, float_dims, invalid_argument, round_to_dtype,
     tensor_from_f32, to_f32_vec, Result,
 };
 
 const OP: &str = "attn_res_mix";
+const NORM_OP: &str = "attn_res_mix_norm";
 
 /// Mixes the residual streams over depth, per token.
 ///
@@ -32,21 +34,99 @@ pub fn attn_res_mix(
     gate: Option<f32>,
     eps: f64,
 ) -> Result<Tensor> {
+    let sizes = validate(OP, sources, pseudo_query)?;
+    on_device!(
+        OP,
+        sources[0].device(),
+        cpu_attn_res_mix(sources, pseudo_query, gate, eps, sizes),
+        Ok(crate::cuda::attn_res_mix(
+            sources,
+            pseudo_query,
+            cuda_strength(sources, gate)?,
+            eps,
+            None,
+            sizes
+        )?
+        .0),
+    )
+}
+
+/// [`attn_res_mix`] followed by the layer's input norm,
+/// [`offset_rms_norm`](crate::offset_rms_norm) of the mix with `scale`
+/// (`1 + w`, `f32` `[H]`) and `norm_eps`, in one call: returns `(mix,
+/// normed)`, the same values as the two ops in turn. On CUDA one kernel does
+/// both for hidden sizes that are a multiple of 8 up to 4096.
+pub fn attn_res_mix_norm(
+    sources: &[Tensor],
+    pseudo_query: &Tensor,
+    gate: Option<f32>,
+    eps: f64,
+    scale: &Tensor,
+    norm_eps: f64,
+) -> Result<(Tensor, Tensor)> {
+    let sizes = validate(NORM_OP, sources, pseudo_query)?;
+    let device = sources[0].device();
+    validate_offset_scale(NORM_OP, scale, sizes.1, device)?;
+    on_device!(
+        NORM_OP,
+        device,
+        {
+            let mix = cpu_attn_res_mix(sources, pseudo_query, gate, eps, sizes)?;
+            let normed = cpu_offset_rms_norm(&mix, scale, norm_eps)?;
+            Ok((mix, normed))
+        },
+        {
+            let norm = crate::cuda::InputNorm {
+                scale,
+                eps: norm_eps,
+            };
+            let strength = cuda_strength(sources, gate)?;
+            match crate::cuda::attn_res_mix(
+                sources,
+                pseudo_query,
+                strength,
+                eps,
+                Some(&norm),
+                sizes,
+            )? {
+                (mix, Some(normed)) => Ok((mix, normed)),
+                (_, None) => Err(invalid_argument(
+                    NORM_OP,
+                    "scale",
+                    "the kernel returned no norm".to_string(),
+                )),
+            }
+        },
+    )
+}
+
+/// The gated blend's `t = tanh(g)` in f32, rounded to the dtype of x, as on
+/// the CPU.
+#[cfg(feature = "cuda")]
+fn cuda_strength(sources: &[Tensor], gate: Option<f32>) -> Result<Option<f32>> {
+    let dtype = sources[sources.len() - 1].dtype();
+    gate.map(|gate| Ok(round_to_dtype(vec![gate.tanh()], dtype)?[0]))
+        .transpose()
+}
+
+/// Checks the sources (at least one, all `[N, H]` on one device) and the
+/// pseudo-query of an AttnRes call of `op`; returns `(N, H)`.
+fn validate(op: &'static str, sources: &[Tensor], pseudo_query: &Tensor) -> Result<(usize, usize)> {
     let Some(current) = sources.last() else {
         return Err(invalid_argument(
-            OP,
+            op,
             "sources",
             "at least one source (the current stream) is required".to_string(),
         ));
     };
-    let [tokens, hidden] = float_dims::<2>(OP, "sources", current)?;
-    expect_positive(OP, "sources", "hidden size (dim 1)", hidden)?;
+    let [tokens, hidden] = float_dims::<2>(op, "sources", current)?;
+    expect_positive(op, "sources", "hidden size (dim 1)", hidden)?;
     let device = current.device();
     for (index, source) in sources.iter().enumerate() {
-        let source_dims = float_dims::<2>(OP, "sources", source)?;
+        let source_dims = float_dims::<2>(op, "sources", source)?;
         if source_dims != [tokens, hidden] {
             return Err(invalid_argument(
-                OP,
+                op,
                 "sources",
                 format!(
                     "source {index} has shape {source_dims:?}, but the current stream (last source) has shape {:?}",
@@ -54,24 +134,12 @@ pub fn attn_res_mix(
                 ),
             ));
         }
-        expect_device(OP, "sources", source, device)?;
+        expect_device(op, "sources", source, device)?;
     }
-    let [query_len] = float_dims::<1>(OP, "pseudo_query", pseudo_query)?;
-    expect_dim(OP, "pseudo_query", "length", query_len, hidden)?;
-    expect_device(OP, "pseudo_query", pseudo_query, device)?;
-    on_device!(
-        OP,
-        device,
-        cpu_attn_res_mix(sources, pseudo_query, gate, eps, tokens, hidden),
-        {
-            // `t = tanh(g)` in f32, rounded to the dtype of x, as on the CPU.
-            let strength = match gate {
-                Some(gate) => Some(round_to_dtype(vec![gate.tanh()], current.dtype())?[0]),
-                None => None,
-            };
-            crate::cuda::attn_res_mix(sources, pseudo_query, strength, eps, tokens, hidden)
-        },
-    )
+    let [query_len] = float_dims::<1>(op, "pseudo_query", pseudo_query)?;
+    expect_dim(op, "pseudo_query", "length", query_len, hidden)?;
+    expect_device(op, "pseudo_query", pseudo_query, device)?;
+    Ok((tokens, hidden))
 }
 
 fn cpu_attn_res_mix(
@@ -79,8 +147,7 @@ fn cpu_attn_res_mix(
     pseudo_query: &Tensor,
     gate: Option<f32>,
     eps: f64,
-    tokens: usize,
-    hidden: usize,
+    (tokens, hidden): (usize, usize),
 ) -> Result<Tensor> {
     let dtype = sources[sources.len() - 1].dtype();
     let sources = sources.iter().map(to_f32_vec).collect::<Result<Vec<_>>>()?;

@@ -13,9 +13,11 @@
 //! | [`kda_recurrence_in_pool_with`] | 3.6 step 6 | the same for sequences whose states are rows of an `f32` state pool, updated in place by slot, with an explicit [`KdaPrefillAlgorithm`] |
 //! | [`kda_core_in_pool`] | 3.6 steps 3, 6, 7 | the KDA layer from its conv's outputs to its gated output norm: gate, write strength, recurrence in the pool and gated RMSNorm (one kernel for a CUDA decode step) |
 //! | [`attn_res_mix`] | 3.4 | gated block AttnRes: depth softmax over committed streams and the current stream |
+//! | [`attn_res_mix_norm`] | 3.4, 3.1 | the AttnRes mix and the layer's input norm of it (one kernel on CUDA) |
 //! | [`gated_rms_norm`] | 3.1 | RMSNorm before a SiLU gate (the KDA output norm) |
 //! | [`offset_rms_norm`] | 3.1 | the `(1 + w)` RMSNorm of the layer, q/k and final norms |
 //! | [`add_offset_rms_norm`] | 3.1, 3.3 | a residual add and the `(1 + w)` RMSNorm of its result, one launch |
+//! | [`add_offset_rms_norm_matmul`] | 3.1, 3.3 | the same, then a decode step's projection of the normed rows, one launch |
 //! | [`offset_rms_norm_rope`] | 3.5 step 2-3 | the q/k `(1 + w)` RMSNorm followed by the partial NeoX rotary embedding |
 //! | [`causal_attention`] | 3.5 step 4 | causal GQA `softmax(q k^T * scale) v` over a prompt (FlashAttention-style tensor-core kernel on CUDA) |
 //! | [`paged_decode_attention`] | 3.5 step 4 | a decode step's attention over the host's paged KV blocks (split-KV kernel on CUDA) |
@@ -89,7 +91,7 @@ mod rope;
 mod route;
 
 pub use attention::causal_attention;
-pub use attn_res::attn_res_mix;
+pub use attn_res::{attn_res_mix, attn_res_mix_norm};
 pub use contiguous::contiguous;
 pub use conv::{
     causal_conv1d, causal_conv1d_split, causal_conv1d_split_in_pool, MAX_CONV_OUTPUT_GROUPS,
@@ -102,7 +104,7 @@ pub use moe::{
     moe_block_decode, moe_experts, moe_experts_quantized, moe_experts_with, MoeBlockInputs,
     MoeBlockWeights, MoeExpertsAlgorithm, MOE_BLOCK_DECODE_MAX_TOP_K,
 };
-pub use norm::{add_offset_rms_norm, gated_rms_norm, offset_rms_norm};
+pub use norm::{add_offset_rms_norm, add_offset_rms_norm_matmul, gated_rms_norm, offset_rms_norm};
 pub use paged_attention::{paged_decode_attention, paged_decode_attention_takes, PagedKv};
 pub use quantized::{
     decode_matmul, quantized_matmul, quantized_matmul_with_dense, takes_gguf_dtype,

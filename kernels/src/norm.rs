@@ -153,20 +153,7 @@ pub fn add_offset_rms_norm(
     eps: f64,
 ) -> Result<(Tensor, Tensor)> {
     validate_offset_norm(x, scale)?;
-    if delta.dims() != x.dims() || delta.dtype() != x.dtype() {
-        return Err(invalid_argument(
-            OFFSET_OP,
-            "delta",
-            format!(
-                "{:?} {:?} differs from `x`'s {:?} {:?}",
-                delta.dtype(),
-                delta.dims(),
-                x.dtype(),
-                x.dims()
-            ),
-        ));
-    }
-    expect_device(OFFSET_OP, "delta", delta, x.device())?;
+    validate_delta(x, delta)?;
     on_device!(
         OFFSET_OP,
         x.device(),
@@ -183,6 +170,83 @@ pub fn add_offset_rms_norm(
             Ok((sum, normed))
         },
     )
+}
+
+const NORM_MATMUL_OP: &str = "add_offset_rms_norm_matmul";
+
+/// [`add_offset_rms_norm`] followed by [`decode_matmul`](crate::decode_matmul)
+/// of its normed rows, in one call: returns `(sum, normed, normed W^T)`, the
+/// values of the two ops in turn.
+///
+/// * `x`, `delta`: `[N, D]` of one dtype (the residual stream and a layer's
+///   output).
+/// * `scale`: `1 + w`, `f32` `[D]`.
+/// * `weight`: `[out, D]` in the dtype of `x`.
+///
+/// On CUDA one kernel does all three for a decode step (up to 8 rows, `D`
+/// a multiple of 8 up to 2048, within 48 KiB of normed rows): each block
+/// issues its first weight loads before it norms the rows, so the norm
+/// costs no launch of its own; other sizes run the two ops.
+pub fn add_offset_rms_norm_matmul(
+    x: &Tensor,
+    delta: &Tensor,
+    scale: &Tensor,
+    eps: f64,
+    weight: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let [_, width] = float_dims::<2>(NORM_MATMUL_OP, "x", x)?;
+    let [_, weight_width] = float_dims::<2>(NORM_MATMUL_OP, "weight", weight)?;
+    expect_dim(
+        NORM_MATMUL_OP,
+        "weight",
+        "width (dim 1)",
+        weight_width,
+        width,
+    )?;
+    if weight.dtype() != x.dtype() {
+        return Err(invalid_argument(
+            NORM_MATMUL_OP,
+            "weight",
+            format!(
+                "dtype {:?} differs from `x`'s {:?}",
+                weight.dtype(),
+                x.dtype()
+            ),
+        ));
+    }
+    expect_device(NORM_MATMUL_OP, "weight", weight, x.device())?;
+    validate_offset_norm(x, scale)?;
+    validate_delta(x, delta)?;
+    let separate = || -> Result<(Tensor, Tensor, Tensor)> {
+        let (sum, normed) = add_offset_rms_norm(x, delta, scale, eps)?;
+        let y = crate::decode_matmul(&normed, weight)?;
+        Ok((sum, normed, y))
+    };
+    on_device!(NORM_MATMUL_OP, x.device(), separate(), {
+        match crate::cuda::add_offset_rms_norm_matmul(x, delta, scale, eps, weight)? {
+            Some(outputs) => Ok(outputs),
+            None => separate(),
+        }
+    })
+}
+
+/// Validates `add_offset_rms_norm`'s `delta`: the shape, dtype and device
+/// of `x`.
+fn validate_delta(x: &Tensor, delta: &Tensor) -> Result<()> {
+    if delta.dims() != x.dims() || delta.dtype() != x.dtype() {
+        return Err(invalid_argument(
+            OFFSET_OP,
+            "delta",
+            format!(
+                "{:?} {:?} differs from `x`'s {:?} {:?}",
+                delta.dtype(),
+                delta.dims(),
+                x.dtype(),
+                x.dims()
+            ),
+        ));
+    }
+    expect_device(OFFSET_OP, "delta", delta, x.device())
 }
 
 /// Validates `offset_rms_norm`'s `x` (rank at least 1, a positive last

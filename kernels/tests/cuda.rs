@@ -26,12 +26,12 @@ mod paged_attention;
 mod quantized;
 
 use berrylm_kernels::{
-    add_moe_output, add_offset_rms_norm, attn_res_mix, causal_conv1d, causal_conv1d_split,
-    causal_conv1d_split_in_pool, contiguous, decode_matmul, gated_rms_norm, kda_beta, kda_gate,
-    kda_recurrence, kda_recurrence_in_pool_with, kda_recurrence_with, moe_block_decode,
-    moe_experts, moe_experts_with, moe_route, offset_rms_norm, offset_rms_norm_rope,
-    sigmoid_gate_mul, swiglu, KdaPrefillAlgorithm, KernelError, MoeBlockInputs, MoeBlockWeights,
-    MoeExpertsAlgorithm, Result, StatePool, PAD_SLOT,
+    add_moe_output, add_offset_rms_norm, add_offset_rms_norm_matmul, attn_res_mix,
+    attn_res_mix_norm, causal_conv1d, causal_conv1d_split, causal_conv1d_split_in_pool, contiguous,
+    decode_matmul, gated_rms_norm, kda_beta, kda_gate, kda_recurrence, kda_recurrence_in_pool_with,
+    kda_recurrence_with, moe_block_decode, moe_experts, moe_experts_with, moe_route,
+    offset_rms_norm, offset_rms_norm_rope, sigmoid_gate_mul, swiglu, KdaPrefillAlgorithm,
+    KernelError, MoeBlockInputs, MoeBlockWeights, MoeExpertsAlgorithm, Result, StatePool, PAD_SLOT,
 };
 use std::sync::OnceLock;
 
@@ -1093,13 +1093,30 @@ fn attn_res_case(
         })
         .collect::<Result<Vec<_>>>()?;
     let query = random(&mut rng, &[hidden], -0.1, 0.1, DType::F32)?;
+    let scale = random(&mut rng, &[hidden], 0.5, 1.5, DType::F32)?;
     let cpu = attn_res_mix(&sources, &query, gate, 1e-6)?;
-    let cuda = attn_res_mix(&to_gpu_all(&sources)?, &to_gpu(&query, &dev)?, gate, 1e-6)?;
+    let (sources_gpu, query_gpu) = (to_gpu_all(&sources)?, to_gpu(&query, &dev)?);
+    let cuda = attn_res_mix(&sources_gpu, &query_gpu, gate, 1e-6)?;
     let what = format!("attn_res_mix N={tokens} H={hidden} S={count} {dtype:?} gate={gate:?}");
     compare(&what, &cuda, &cpu, output_tol(dtype))?;
     if gate == Some(0.0) {
         identical(&format!("{what} is x"), &cuda, &sources[count - 1])?;
     }
+    // With the input norm: the same mix, and the norm kernel's values of it
+    // bit for bit (one kernel where the vector path runs, two otherwise);
+    // the CPU's norm of its own mix within a rounding step.
+    let scale_gpu = to_gpu(&scale, &dev)?;
+    let (mix, normed) = attn_res_mix_norm(&sources_gpu, &query_gpu, gate, 1e-6, &scale_gpu, 1e-5)?;
+    identical(&format!("{what} mix beside its norm"), &mix, &cuda)?;
+    let separate = offset_rms_norm(&cuda, &scale_gpu, 1e-5)?;
+    identical(&format!("{what} norm"), &normed, &separate)?;
+    let (_, cpu_normed) = attn_res_mix_norm(&sources, &query, gate, 1e-6, &scale, 1e-5)?;
+    compare(
+        &format!("{what} norm"),
+        &normed,
+        &cpu_normed,
+        output_tol(dtype),
+    )?;
     Ok(())
 }
 
@@ -1343,6 +1360,50 @@ fn add_offset_norm_matches_cpu() -> Result<()> {
         let tol = offset_norm_tol(HIDDEN, dtype);
         compare(&what, &normed_cuda, &normed_cpu, tol).map(drop)
     })
+}
+
+/// The residual norm and a decode step's projection of it in one call: bit
+/// for bit the two CUDA ops in turn (one kernel up to 8 rows of a width up
+/// to 2048; the two ops for 9 rows, a 4096-wide row and 8 f32 rows of 2048,
+/// whose normed rows exceed the kernel's shared memory), within a rounding
+/// step of the CPU's.
+#[test]
+fn add_offset_norm_matmul_matches_the_separate_ops() -> Result<()> {
+    let cases = [
+        (1, HIDDEN, 1160),
+        (4, HIDDEN, 1163),
+        (8, HIDDEN, 64),
+        (3, 24, 40),
+        (9, HIDDEN, 32),
+        (1, 2 * HIDDEN, 16),
+    ];
+    sweep(
+        2900,
+        cases,
+        &ALL_DTYPES,
+        |rng, (rows, width, out_dim), dtype| {
+            let x = random(rng, &[rows, width], -3.0, 3.0, dtype)?;
+            let delta = random(rng, &[rows, width], -1.0, 1.0, dtype)?;
+            let scale = random(rng, &[width], 0.5, 1.5, DType::F32)?;
+            let weight = random(rng, &[out_dim, width], -0.1, 0.1, dtype)?;
+            let ((sum, normed, y), (_, normed_cpu, y_cpu)) =
+                on_both([&x, &delta, &scale, &weight], |[x, delta, scale, weight]| {
+                    add_offset_rms_norm_matmul(x, delta, scale, 1e-6, weight)
+                })?;
+            let dev = gpu();
+            let (x, delta) = (to_gpu(&x, &dev)?, to_gpu(&delta, &dev)?);
+            let (scale, weight) = (to_gpu(&scale, &dev)?, to_gpu(&weight, &dev)?);
+            let (separate_sum, separate_normed) = add_offset_rms_norm(&x, &delta, &scale, 1e-6)?;
+            let separate_y = decode_matmul(&separate_normed, &weight)?;
+            let what =
+                format!("add_offset_rms_norm_matmul [{rows}, {width}] x {out_dim} {dtype:?}");
+            identical(&format!("{what} sum"), &sum, &separate_sum)?;
+            identical(&format!("{what} normed"), &normed, &separate_normed)?;
+            identical(&format!("{what} projection"), &y, &separate_y)?;
+            compare(&what, &normed, &normed_cpu, offset_norm_tol(width, dtype))?;
+            within(&what, &y, &y_cpu, output_tol(dtype)).map(drop)
+        },
+    )
 }
 
 #[test]

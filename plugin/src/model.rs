@@ -69,19 +69,19 @@ impl DecoderLayer {
         state: MixerState<'_>,
     ) -> Result<Tensor> {
         let hidden = x.dim(1)?;
-        let x = match &self.attn_res {
-            Some(attn_res) => attn_res.forward(committed, x)?,
-            None => x.clone(),
+        let (x, normed) = match &self.attn_res {
+            Some(attn_res) => attn_res.forward_norm(committed, x, &self.input_layernorm)?,
+            None => (x.clone(), self.input_layernorm.forward(x)?),
         };
-        let normed = self.input_layernorm.forward(&x)?;
         let mixed = self
             .mixer
             .forward(&normed.reshape((rows, seq_len, hidden))?, state)?;
-        let (h, normed) = self
-            .post_attention_layernorm
-            .forward_residual(&x, &mixed.reshape((rows * seq_len, hidden))?)?;
-        self.moe
-            .forward(&normed.reshape((rows, seq_len, hidden))?, &h)
+        self.moe.forward_after_mixer(
+            &x,
+            &mixed.reshape((rows * seq_len, hidden))?,
+            &self.post_attention_layernorm,
+            (rows, seq_len),
+        )
     }
 }
 

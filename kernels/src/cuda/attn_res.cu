@@ -8,6 +8,12 @@
 // particular order; the softmax runs in the CPU's order, and the mixture and
 // the gated blend round where the CPU reference does.
 //
+// Optionally followed by the layer's input norm of y (norm.cu's (1 + w)
+// RMSNorm), which the vector path computes from the y in its registers and
+// writes beside it (norm_rows.cuh's vector layout: the same values as
+// offset_rms_norm of the stored y, bit for bit); the generic path launches
+// that norm after it.
+//
 // Two paths, chosen per call:
 // * vector (hidden % 8 == 0, hidden <= 4096, every pointer 16-byte aligned):
 //   a block of round_up(hidden / 8, 32) threads, thread i owning the elements
@@ -27,6 +33,14 @@
 //   loads and read the sources three times; a token's rows are small enough
 //   to stay in L1/L2 between the passes.
 #include "common.cuh"
+#include "norm_rows.cuh"
+#include "weight_rows.cuh"
+
+// The offset norm's entry point (norm.cu), for the generic path's norm.
+extern "C" int berrylm_offset_rms_norm(int x_dtype, const void* x, const void* delta,
+                                       const float* scale, void* sum_out, void* out,
+                                       long long rows, int width, float inv_width, float eps,
+                                       void* stream);
 
 namespace berrylm::attn_res {
 
@@ -36,6 +50,15 @@ constexpr int kMaxSources = 32;  // must match MAX_ATTN_RES_SOURCES in src/cuda/
 
 struct Sources {
     const void* ptr[kMaxSources];
+};
+
+// The input norm after the mix: `normed` = (1 + w) RMSNorm of the output
+// with `scale` = 1 + w (f32); no norm when `normed` is null.
+struct Norm {
+    const float* scale;
+    void* normed;
+    float inv_width;
+    float eps;
 };
 
 // Block-wide sums of `count` per-thread partials (count <= kMaxSources);
@@ -231,11 +254,13 @@ enum class Keep {
 constexpr int register_cap(int pack_registers) {
     return pack_registers <= 16 ? 40 : pack_registers <= 32 ? 64 : 128;
 }
+// With the norm, 8 more for the norm's scale.
 template <typename TS>
-constexpr int register_cap(Keep keep, int chunk) {
-    return keep == Keep::kStream
-               ? 128
-               : register_cap((keep == Keep::kShared ? 2 : 1) * chunk * Pack<TS>::kWords);
+constexpr int register_cap(Keep keep, int chunk, bool norm) {
+    return (keep == Keep::kStream
+                ? 128
+                : register_cap((keep == Keep::kShared ? 2 : 1) * chunk * Pack<TS>::kWords)) +
+           (norm ? kVecWidth : 0);
 }
 
 __device__ __forceinline__ void copy_async16(void* shared, const void* global) {
@@ -250,18 +275,20 @@ __device__ __forceinline__ void copy_async_wait_all() {
 
 // blockDim.x = round_up(hidden / kVecWidth, 32) <= kVecMaxThreads. With
 // Keep::kShared (only for num_sources > kChunk), the dynamic shared memory
-// holds (num_sources - kChunk) packs of blockDim.x threads.
-template <typename TS, typename TO, int kChunk, Keep kKeep>
-__global__ void __maxnreg__(register_cap<TS>(kKeep, kChunk))
+// holds (num_sources - kChunk) packs of blockDim.x threads. kNorm: `norm`
+// is applied (its `normed` not null).
+template <typename TS, typename TO, int kChunk, Keep kKeep, bool kNorm>
+__global__ void __maxnreg__(register_cap<TS>(kKeep, kChunk, kNorm))
     attn_res_mix_vec_kernel(Sources sources, int num_sources, const float* __restrict__ query,
                             TO* __restrict__ out, int hidden, float eps, int gated,
-                            float strength) {
+                            float strength, Norm norm) {
     static_assert(kChunk == 4 || kChunk == 8, "chunks of 4 or 8 sources");
     constexpr int kStride = 32 / kChunk;  // lanes per warp total of a source
     constexpr int kVectors = Pack<TS>::kWords / 4;  // 16-byte vectors a pack
     __shared__ float scratch[kVecMaxWarps][kMaxSources];
     __shared__ float inv_rms[kMaxSources];
     __shared__ float prob[kMaxSources];
+    __shared__ float norm_partial[kVecMaxWarps];
     extern __shared__ uint4 kept[];  // [source - kChunk][vector][thread]
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -374,23 +401,8 @@ __global__ void __maxnreg__(register_cap<TS>(kKeep, kChunk))
     __syncthreads();
 
     // Pass 2: logits.
-    float q[kVecWidth];
-    if (active) {
-        const float4* q_vectors = reinterpret_cast<const float4*>(query + threadIdx.x * kVecWidth);
-        const float4 q0 = __ldg(q_vectors);
-        const float4 q1 = __ldg(q_vectors + 1);
-        q[0] = q0.x;
-        q[1] = q0.y;
-        q[2] = q0.z;
-        q[3] = q0.w;
-        q[4] = q1.x;
-        q[5] = q1.y;
-        q[6] = q1.z;
-        q[7] = q1.w;
-    } else {
-#pragma unroll
-        for (int i = 0; i < kVecWidth; ++i) q[i] = 0.0f;
-    }
+    float q[kVecWidth] = {};
+    if (active) berrylm::rows::load_vec<float, kVecWidth>(query + threadIdx.x * kVecWidth, q);
     for_each_chunk([&](int base, const Pack<TS>(&packs)[kChunk]) {
         float partial[kChunk];
 #pragma unroll
@@ -426,6 +438,15 @@ __global__ void __maxnreg__(register_cap<TS>(kKeep, kChunk))
     }
     __syncthreads();
 
+    // The norm's scale, in flight during pass 3 (q's registers are free).
+    float norm_scale[kVecWidth] = {};
+    if constexpr (kNorm) {
+        if (active) {
+            berrylm::rows::load_vec<float, kVecWidth>(norm.scale + threadIdx.x * kVecWidth,
+                                                      norm_scale);
+        }
+    }
+
     // Pass 3: the mixture, sources in order, then the gated blend.
     float mix[kVecWidth];
 #pragma unroll
@@ -442,97 +463,130 @@ __global__ void __maxnreg__(register_cap<TS>(kKeep, kChunk))
             }
         }
     });
-    if (!active) return;
-    if constexpr (kKeep == Keep::kShared) {
-        if (gated != 0) current = load_kept(num_sources - 1);
-    }
-    float y[kVecWidth];
-#pragma unroll
-    for (int i = 0; i < kVecWidth; ++i) {
-        const float m = berrylm::round_to<TO>(mix[i]);
-        if (gated != 0) {
-            const float x = element(current, i);
-            const float difference = berrylm::round_to<TO>(__fsub_rn(m, x));
-            const float step = berrylm::round_to<TO>(__fmul_rn(strength, difference));
-            y[i] = __fadd_rn(x, step);
-        } else {
-            y[i] = m;
+    float y[kVecWidth] = {};
+    if (active) {
+        if constexpr (kKeep == Keep::kShared) {
+            if (gated != 0) current = load_kept(num_sources - 1);
         }
+#pragma unroll
+        for (int i = 0; i < kVecWidth; ++i) {
+            const float m = berrylm::round_to<TO>(mix[i]);
+            if (gated != 0) {
+                const float x = element(current, i);
+                const float difference = berrylm::round_to<TO>(__fsub_rn(m, x));
+                const float step = berrylm::round_to<TO>(__fmul_rn(strength, difference));
+                y[i] = __fadd_rn(x, step);
+            } else {
+                y[i] = m;
+            }
+        }
+        berrylm::store8(out + offset, y);
     }
-    berrylm::store8(out + offset, y);
+    if constexpr (kNorm) {
+        // The norm of y as stored (rounded to TO); zeros past the row's end.
+        float stored[kVecWidth];
+#pragma unroll
+        for (int i = 0; i < kVecWidth; ++i) stored[i] = berrylm::round_to<TO>(y[i]);
+        const float rms = berrylm::norm_rows::vec_row_root(stored, norm_partial, norm.inv_width,
+                                                           norm.eps);
+        if (!active) return;
+        float normed[kVecWidth];
+        berrylm::norm_rows::vec_row_normed(stored, rms, norm_scale, normed);
+        berrylm::store8(static_cast<TO*>(norm.normed) + offset, normed);
+    }
 }
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // Static shared memory of attn_res_mix_vec_kernel.
-constexpr int kVecStaticShared = static_cast<int>(sizeof(float)) * (kVecMaxWarps + 2) * kMaxSources;
+constexpr int kVecStaticShared =
+    static_cast<int>(sizeof(float)) * ((kVecMaxWarps + 2) * kMaxSources + kVecMaxWarps);
+
+// The arguments of a call, the same for every kernel it may launch.
+struct Call {
+    Sources sources;
+    int num_sources;
+    const float* query;
+    void* out;
+    long long tokens;
+    int hidden;
+    float eps;
+    int gated;
+    float strength;
+    Norm norm;
+};
 
 // `shared_opt_in`: when nonzero, the dynamic shared memory that the kernel is
 // allowed (always the device's maximum, so that concurrent calls agree).
-template <typename TS, typename TO, int kChunk, Keep kKeep>
-int launch_vec(const Sources& sources, int num_sources, const float* query, void* out,
-               long long tokens, int hidden, float eps, int gated, float strength,
-               size_t shared_bytes, int shared_opt_in, cudaStream_t stream) {
-    const int threads = (hidden / kVecWidth + 31) / 32 * 32;
-    auto kernel = attn_res_mix_vec_kernel<TS, TO, kChunk, kKeep>;
+template <typename TS, typename TO, int kChunk, Keep kKeep, bool kNorm>
+int launch_vec(const Call& call, size_t shared_bytes, int shared_opt_in, cudaStream_t stream) {
+    const int threads = (call.hidden / kVecWidth + 31) / 32 * 32;
+    auto kernel = attn_res_mix_vec_kernel<TS, TO, kChunk, kKeep, kNorm>;
     if (shared_opt_in > 0) {
         const cudaError_t status = cudaFuncSetAttribute(
             kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_opt_in);
         if (status != cudaSuccess) return static_cast<int>(status);
     }
-    kernel<<<static_cast<unsigned int>(tokens), threads, shared_bytes, stream>>>(
-        sources, num_sources, query, static_cast<TO*>(out), hidden, eps, gated, strength);
+    kernel<<<static_cast<unsigned int>(call.tokens), threads, shared_bytes, stream>>>(
+        call.sources, call.num_sources, call.query, static_cast<TO*>(call.out), call.hidden,
+        call.eps, call.gated, call.strength, call.norm);
     return berrylm::launch_status();
 }
 
-// The vector path where the shape and the pointers allow it (see the header),
-// the generic kernel otherwise.
-template <typename TS, typename TO>
-int launch(const Sources& sources, int num_sources, const float* query, void* out,
-           long long tokens, int hidden, float eps, int gated, float strength,
-           cudaStream_t stream) {
-    bool vector = hidden % kVecWidth == 0 && hidden / kVecWidth <= kVecMaxThreads &&
-                  aligned16(query) && aligned16(out);
-    for (int s = 0; s < num_sources; ++s) vector = vector && aligned16(sources.ptr[s]);
-    if (vector) {
-        if (num_sources <= 4) {
-            return launch_vec<TS, TO, 4, Keep::kRegisters>(sources, num_sources, query, out,
-                                                          tokens, hidden, eps, gated, strength,
-                                                          0, 0, stream);
-        }
-        if (num_sources <= 8) {
-            return launch_vec<TS, TO, 8, Keep::kRegisters>(sources, num_sources, query, out,
-                                                          tokens, hidden, eps, gated, strength,
-                                                          0, 0, stream);
-        }
-        const int threads = (hidden / kVecWidth + 31) / 32 * 32;
-        const size_t shared_bytes = static_cast<size_t>(num_sources - 4) * threads *
-                                    kVecWidth * sizeof(TS);
-        // Within the default 48 KiB a block, or opted in up to the device's
-        // maximum (static shared memory included).
-        int shared_limit = 48 * 1024;
-        int shared_opt_in = 0;
-        if (shared_bytes + kVecStaticShared > static_cast<size_t>(shared_limit)) {
-            int device = 0;
-            cudaError_t status = cudaGetDevice(&device);
-            if (status == cudaSuccess) {
-                status = cudaDeviceGetAttribute(&shared_limit,
-                                                cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-            }
-            if (status != cudaSuccess) return static_cast<int>(status);
-            shared_opt_in = shared_limit - kVecStaticShared;
-        }
-        if (shared_bytes + kVecStaticShared <= static_cast<size_t>(shared_limit)) {
-            return launch_vec<TS, TO, 4, Keep::kShared>(sources, num_sources, query, out,
-                                                       tokens, hidden, eps, gated, strength,
-                                                       shared_bytes, shared_opt_in, stream);
-        }
-        return launch_vec<TS, TO, 8, Keep::kStream>(sources, num_sources, query, out, tokens,
-                                                   hidden, eps, gated, strength, 0, 0, stream);
+// The vector kernel keeping the sources as `call` needs (see the header).
+template <typename TS, typename TO, bool kNorm>
+int launch_vec_for(const Call& call, cudaStream_t stream) {
+    if (call.num_sources <= 4) {
+        return launch_vec<TS, TO, 4, Keep::kRegisters, kNorm>(call, 0, 0, stream);
     }
-    attn_res_mix_kernel<TS, TO><<<static_cast<unsigned int>(tokens), kThreads, 0, stream>>>(
-        sources, num_sources, query, static_cast<TO*>(out), hidden, eps, gated, strength);
-    return berrylm::launch_status();
+    if (call.num_sources <= 8) {
+        return launch_vec<TS, TO, 8, Keep::kRegisters, kNorm>(call, 0, 0, stream);
+    }
+    const int threads = (call.hidden / kVecWidth + 31) / 32 * 32;
+    const size_t shared_bytes =
+        static_cast<size_t>(call.num_sources - 4) * threads * kVecWidth * sizeof(TS);
+    // Within the default 48 KiB a block, or opted in up to the device's
+    // maximum (static shared memory included).
+    int shared_limit = 48 * 1024;
+    int shared_opt_in = 0;
+    if (shared_bytes + kVecStaticShared > static_cast<size_t>(shared_limit)) {
+        int device = 0;
+        cudaError_t status = cudaGetDevice(&device);
+        if (status == cudaSuccess) {
+            status =
+                cudaDeviceGetAttribute(&shared_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+        }
+        if (status != cudaSuccess) return static_cast<int>(status);
+        shared_opt_in = shared_limit - kVecStaticShared;
+    }
+    if (shared_bytes + kVecStaticShared <= static_cast<size_t>(shared_limit)) {
+        return launch_vec<TS, TO, 4, Keep::kShared, kNorm>(call, shared_bytes, shared_opt_in,
+                                                           stream);
+    }
+    return launch_vec<TS, TO, 8, Keep::kStream, kNorm>(call, 0, 0, stream);
+}
+
+// The vector path where the shape and the pointers allow it (see the header),
+// the generic kernel (then the norm's own kernel) otherwise.
+template <typename TS, typename TO>
+int launch(const Call& call, int out_dtype, cudaStream_t stream) {
+    const bool norm = call.norm.normed != nullptr;
+    bool vector = call.hidden % kVecWidth == 0 && call.hidden / kVecWidth <= kVecMaxThreads &&
+                  aligned16(call.query) && aligned16(call.out) &&
+                  (!norm || (aligned16(call.norm.scale) && aligned16(call.norm.normed)));
+    for (int s = 0; s < call.num_sources; ++s) vector = vector && aligned16(call.sources.ptr[s]);
+    if (vector) {
+        return norm ? launch_vec_for<TS, TO, true>(call, stream)
+                    : launch_vec_for<TS, TO, false>(call, stream);
+    }
+    attn_res_mix_kernel<TS, TO><<<static_cast<unsigned int>(call.tokens), kThreads, 0, stream>>>(
+        call.sources, call.num_sources, call.query, static_cast<TO*>(call.out), call.hidden,
+        call.eps, call.gated, call.strength);
+    const int status = berrylm::launch_status();
+    if (status != 0 || !norm) return status;
+    return berrylm_offset_rms_norm(out_dtype, call.out, nullptr, call.norm.scale, nullptr,
+                                   call.norm.normed, call.tokens, call.hidden,
+                                   call.norm.inv_width, call.norm.eps, stream);
 }
 
 }  // namespace berrylm::attn_res
@@ -543,27 +597,34 @@ using namespace berrylm::attn_res;
 // `src_dtype`; the last one is the current stream x. `out_dtype` is the dtype
 // of x and must equal `src_dtype` unless `src_dtype` is f32 (sources widened
 // by the caller). `strength` is round_x(tanh(g)), used when `gated` != 0.
+// With `normed` (else null), the output's (1 + w) RMSNorm is written there:
+// `norm_scale` = 1 + w (f32, `hidden` long), `inv_width` = 1/hidden rounded
+// to f32, `norm_eps`.
 extern "C" int berrylm_attn_res_mix(int src_dtype, int out_dtype, const void* const* sources,
                                     int num_sources, const float* query, void* out,
                                     long long tokens, int hidden, float eps, int gated,
-                                    float strength, void* stream) {
+                                    float strength, const float* norm_scale, void* normed,
+                                    float inv_width, float norm_eps, void* stream) {
     if (tokens == 0 || hidden == 0) return 0;
     if (num_sources < 1 || num_sources > kMaxSources || tokens > 0x7fffffffll) {
         return static_cast<int>(cudaErrorInvalidValue);
     }
-    Sources table{};
-    for (int s = 0; s < num_sources; ++s) table.ptr[s] = sources[s];
+    Call call{};
+    for (int s = 0; s < num_sources; ++s) call.sources.ptr[s] = sources[s];
+    call.num_sources = num_sources;
+    call.query = query;
+    call.out = out;
+    call.tokens = tokens;
+    call.hidden = hidden;
+    call.eps = eps;
+    call.gated = gated;
+    call.strength = strength;
+    call.norm = Norm{norm_scale, normed, inv_width, norm_eps};
     cudaStream_t st = static_cast<cudaStream_t>(stream);
     if (src_dtype == out_dtype) {
-        BERRYLM_DISPATCH_DTYPE(src_dtype, T, {
-            return launch<T, T>(table, num_sources, query, out, tokens, hidden, eps, gated,
-                                strength, st);
-        });
+        BERRYLM_DISPATCH_DTYPE(src_dtype, T, { return launch<T, T>(call, out_dtype, st); });
     } else if (src_dtype == berrylm::kF32) {
-        BERRYLM_DISPATCH_DTYPE(out_dtype, TO, {
-            return launch<float, TO>(table, num_sources, query, out, tokens, hidden, eps, gated,
-                                     strength, st);
-        });
+        BERRYLM_DISPATCH_DTYPE(out_dtype, TO, { return launch<float, TO>(call, out_dtype, st); });
     }
     return static_cast<int>(cudaErrorInvalidValue);
 }

@@ -91,14 +91,14 @@ mod recurrence;
 mod rope;
 mod route;
 
-pub(crate) use attn_res::attn_res_mix;
+pub(crate) use attn_res::{attn_res_mix, InputNorm};
 pub(crate) use contiguous::contiguous;
 pub(crate) use conv::{causal_conv1d, causal_conv1d_in_pool};
 pub(crate) use gate::kda_beta;
 pub(crate) use gate_mul::sigmoid_gate_mul;
 pub(crate) use mlp::swiglu;
 pub(crate) use moe::{moe_block_decode, moe_experts, moe_experts_quantized};
-pub(crate) use norm::offset_rms_norm;
+pub(crate) use norm::{add_offset_rms_norm_matmul, offset_rms_norm};
 pub(crate) use paged_attention::paged_decode_attention;
 pub(crate) use quantized::{dense_matmul, quantized_matmul};
 pub(crate) use recurrence::{kda_decode_gated, kda_recurrence, kda_recurrence_in_pool};

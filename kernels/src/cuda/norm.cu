@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(berrylm::norm_rows::kRowThreads)
 // loaded with x) instead of for scalar loads on both sides of it. The sum of
 // squares runs over a thread's 8 values, then the warp, then the warps in
 // order.
-constexpr int kVecElements = 8;  // berrylm::store8's
+using berrylm::norm_rows::kVecElements;
 constexpr int kVecMaxThreads = 512;
 
 template <typename T>
@@ -109,24 +109,121 @@ __global__ void __launch_bounds__(kVecMaxThreads)
         }
         berrylm::rows::load_vec<float, kVecElements>(scale + first, w);
     }
-    float sum_sq = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kVecElements; ++i) sum_sq = __fadd_rn(sum_sq, __fmul_rn(v[i], v[i]));
-    sum_sq = berrylm::warp_sum(sum_sq);
-    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = sum_sq;
-    __syncthreads();
-    float total = 0.0f;
-    for (int k = 0; k < static_cast<int>(blockDim.x >> 5); ++k) total = __fadd_rn(total, partial[k]);
-    const float rms = __fsqrt_rn(__fadd_rn(__fmul_rn(total, inv_width), eps));
+    const float rms = berrylm::norm_rows::vec_row_root(v, partial, inv_width, eps);
     if (!active) return;
     if (sum_out != nullptr) berrylm::store8(sum_out + offset + first, v);
     float y[kVecElements];
-#pragma unroll
-    for (int i = 0; i < kVecElements; ++i) y[i] = __fmul_rn(__fdiv_rn(v[i], rms), w[i]);
+    berrylm::norm_rows::vec_row_normed(v, rms, w, y);
     berrylm::store8(out + offset + first, y);
 }
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// The norm above of a decode step's residual sums, projected by a dense
+// weight [out_dim, width] (the MoE block's input projection after the
+// post-attention norm): the sums, the normed rows and their products, each
+// the value the vector norm kernel and quantized_matmul.cu's dense GEMV give
+// (the same operations in the same order), in one launch. A block of
+// kProjectThreads threads has one output column a warp, as the GEMV; it
+// first issues the loads of its warps' first kHeldPieces weight pieces (a
+// whole 2048-wide bf16 row), which do not depend on the norm, then norms
+// every row of the step in the vector layout (width <= 8 * kProjectThreads)
+// into shared memory, block 0 writing the sums and normed rows out, and
+// takes the products' activations from there.
+constexpr int kProjectThreads = 256;
+constexpr int kProjectWarps = kProjectThreads / 32;
+constexpr int kHeldPieces = 8;
+
+template <typename T, int TOKENS>
+__global__ void __launch_bounds__(kProjectThreads)
+    add_offset_rms_norm_matmul_kernel(const T* __restrict__ x, const T* __restrict__ delta,
+                                      const float* __restrict__ scale, T* __restrict__ sum_out,
+                                      T* __restrict__ normed_out, const T* __restrict__ weight,
+                                      T* __restrict__ y, int tokens, int width, int out_dim,
+                                      float inv_width, float eps) {
+    constexpr int kVec = berrylm::rows::kPerVector<T>;
+    extern __shared__ uint4 staged[];  // [tokens][width] of T, normed
+    __shared__ float partial[kProjectWarps];
+    const int lane = threadIdx.x & 31;
+    const int column = blockIdx.x * kProjectWarps + (threadIdx.x >> 5);
+    const bool has_column = column < out_dim;
+    const int pieces = width / kVec;
+    const uint4* row = reinterpret_cast<const uint4*>(weight) +
+                       static_cast<long long>(has_column ? column : 0) * pieces;
+    uint4 held[kHeldPieces];
+#pragma unroll
+    for (int k = 0; k < kHeldPieces; ++k) {
+        const int piece = lane + 32 * k;
+        if (has_column && piece < pieces) held[k] = __ldg(row + piece);
+    }
+
+    const int first = static_cast<int>(threadIdx.x) * kVecElements;
+    const bool active = first < width;
+    float w[kVecElements] = {};
+    if (active) berrylm::rows::load_vec<float, kVecElements>(scale + first, w);
+    T* staged_rows = reinterpret_cast<T*>(staged);
+    for (int t = 0; t < tokens; ++t) {
+        const long long offset = static_cast<long long>(t) * width + first;
+        float v[kVecElements] = {};
+        if (active) {
+            berrylm::rows::load_vec<T, kVecElements>(x + offset, v);
+            float d[kVecElements];
+            berrylm::rows::load_vec<T, kVecElements>(delta + offset, d);
+#pragma unroll
+            for (int i = 0; i < kVecElements; ++i) {
+                v[i] = berrylm::round_to<T>(__fadd_rn(v[i], d[i]));
+            }
+        }
+        const float rms = berrylm::norm_rows::vec_row_root(v, partial, inv_width, eps);
+        if (active) {
+            float normed[kVecElements];
+            berrylm::norm_rows::vec_row_normed(v, rms, w, normed);
+            berrylm::store8(staged_rows + offset, normed);
+            if (blockIdx.x == 0) {
+                berrylm::store8(sum_out + offset, v);
+                berrylm::store8(normed_out + offset, normed);
+            }
+        }
+        __syncthreads();  // the staged row is complete; `partial` is free again
+    }
+    if (!has_column) return;
+
+    // DenseRows' products: pieces lane, lane + 32, ... in order, each one's
+    // elements in order, then the warp's sum.
+    float sum[TOKENS];
+#pragma unroll
+    for (int t = 0; t < TOKENS; ++t) sum[t] = 0.0f;
+    auto accumulate = [&](const uint4& raw, int piece) {
+        float wv[kVec];
+        berrylm::rows::unpack_vector<T>(raw, wv);
+#pragma unroll
+        for (int t = 0; t < TOKENS; ++t) {
+            if (t < tokens) {
+                float xv[kVec];
+                berrylm::rows::unpack_vector<T>(staged[t * pieces + piece], xv);
+#pragma unroll
+                for (int i = 0; i < kVec; ++i) sum[t] = fmaf(wv[i], xv[i], sum[t]);
+            }
+        }
+    };
+#pragma unroll
+    for (int k = 0; k < kHeldPieces; ++k) {
+        const int piece = lane + 32 * k;
+        if (piece < pieces) accumulate(held[k], piece);
+    }
+    for (int piece = lane + 32 * kHeldPieces; piece < pieces; piece += 32) {
+        accumulate(__ldg(row + piece), piece);
+    }
+#pragma unroll
+    for (int t = 0; t < TOKENS; ++t) {
+        if (t < tokens) {
+            const float total = berrylm::warp_sum(sum[t]);
+            if (lane == 0) {
+                y[static_cast<long long>(t) * out_dim + column] = berrylm::from_f32<T>(total);
+            }
+        }
+    }
+}
 
 template <typename TX, typename TIn, typename TZ>
 void launch_gated(const void* x, const void* z, const float* weight, void* out, long long rows,
@@ -199,4 +296,41 @@ extern "C" int berrylm_offset_rms_norm(int x_dtype, const void* x, const void* d
             berrylm::norm_rows::warps_per_row(width), inv_width, eps);
     });
     return berrylm::launch_status();
+}
+
+// The residual sums `x + delta` [tokens, width], their norm (as
+// berrylm_offset_rms_norm) and its product with `weight` [out_dim, width]
+// (as berrylm_dense_matmul), all in `dtype`, in one kernel. Returns
+// cudaErrorNotSupported, launching nothing, unless the step has at most 8
+// rows whose widths are a multiple of 8 up to 2048, staged within 48 KiB,
+// with every pointer 16-byte aligned.
+extern "C" int berrylm_add_offset_rms_norm_matmul(int dtype, const void* x, const void* delta,
+                                                  const float* scale, void* sum_out,
+                                                  void* normed_out, const void* weight, void* y,
+                                                  int tokens, int width, int out_dim,
+                                                  float inv_width, float eps, void* stream) {
+    if (tokens == 0 || out_dim == 0) return 0;
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    BERRYLM_DISPATCH_DTYPE(dtype, T, {
+        const size_t staged_bytes = static_cast<size_t>(tokens) * width * sizeof(T);
+        const bool taken = tokens <= berrylm::rows::kTokens && width > 0 &&
+                           width % kVecElements == 0 &&
+                           width <= kVecElements * kProjectThreads &&
+                           staged_bytes <= 48 * 1024 && aligned16(x) && aligned16(delta) &&
+                           aligned16(scale) && aligned16(sum_out) && aligned16(normed_out) &&
+                           aligned16(weight) && aligned16(y);
+        if (!taken) return static_cast<int>(cudaErrorNotSupported);
+        const unsigned int blocks =
+            static_cast<unsigned int>((out_dim + kProjectWarps - 1) / kProjectWarps);
+        berrylm::rows::with_group_size(tokens, [&](auto group) {
+            add_offset_rms_norm_matmul_kernel<T, decltype(group)::value>
+                <<<blocks, kProjectThreads, staged_bytes, s>>>(
+                    static_cast<const T*>(x), static_cast<const T*>(delta), scale,
+                    static_cast<T*>(sum_out), static_cast<T*>(normed_out),
+                    static_cast<const T*>(weight), static_cast<T*>(y), tokens, width, out_dim,
+                    inv_width, eps);
+        });
+        return berrylm::launch_status();
+    });
+    return 0;
 }

@@ -5,6 +5,7 @@ use std::ffi::{c_int, c_void};
 
 use candle_core::{DType, Tensor};
 
+use super::quantized::aligned16;
 use super::{c_size, dtype_code, Launch};
 use crate::norm::GatedRmsNormArgs;
 use crate::Result;
@@ -37,6 +38,90 @@ extern "C" {
         eps: f32,
         stream: *mut c_void,
     ) -> c_int;
+
+    fn berrylm_add_offset_rms_norm_matmul(
+        dtype: c_int,
+        x: *const c_void,
+        delta: *const c_void,
+        scale: *const f32,
+        sum_out: *mut c_void,
+        normed_out: *mut c_void,
+        weight: *const c_void,
+        y: *mut c_void,
+        tokens: c_int,
+        width: c_int,
+        out_dim: c_int,
+        inv_width: f32,
+        eps: f32,
+        stream: *mut c_void,
+    ) -> c_int;
+}
+
+/// The most rows, the widest rows and the most bytes of normed rows the
+/// fused kernel of `add_offset_rms_norm_matmul` takes (norm.cu).
+const NORM_MATMUL_MAX_ROWS: usize = 8;
+const NORM_MATMUL_MAX_WIDTH: usize = 2048;
+const NORM_MATMUL_MAX_STAGED_BYTES: usize = 48 * 1024;
+
+/// CUDA `add_offset_rms_norm_matmul` in one kernel, for decode steps: `(sum,
+/// normed, y)`, or `None` where the kernel does not take the sizes (up to
+/// 8 rows of `x` `[rows, width]`, `width` a multiple of 8 up to 2048).
+/// Arguments validated by the caller (`delta` as `x`, `scale` f32 `[width]`,
+/// `weight` `[out_dim, width]` in the dtype of `x`, all on one device).
+pub(crate) fn add_offset_rms_norm_matmul(
+    x: &Tensor,
+    delta: &Tensor,
+    scale: &Tensor,
+    eps: f64,
+    weight: &Tensor,
+) -> Result<Option<(Tensor, Tensor, Tensor)>> {
+    const OP: &str = "add_offset_rms_norm_matmul";
+    let (rows, width) = x.dims2()?;
+    let (out_dim, _) = weight.dims2()?;
+    if rows > NORM_MATMUL_MAX_ROWS
+        || width > NORM_MATMUL_MAX_WIDTH
+        || !width.is_multiple_of(8)
+        || rows * width * x.dtype().size_in_bytes() > NORM_MATMUL_MAX_STAGED_BYTES
+    {
+        return Ok(None);
+    }
+    let mut launch = Launch::new(OP, x)?;
+    let x = launch.input("x", &aligned16(x)?)?;
+    let delta = launch.input("delta", &aligned16(delta)?)?;
+    let scale = launch.input_as("scale", scale, DType::F32)?;
+    let weight = launch.input("weight", &aligned16(weight)?)?;
+    let dtype = launch.dtype(x);
+    let sum = launch.output(&[rows, width], dtype)?;
+    let normed = launch.output(&[rows, width], dtype)?;
+    let y = launch.output(&[rows, out_dim], dtype)?;
+    let outputs = launch.run(|p| {
+        // SAFETY: as in `run_kernel!`; `x`, `delta` contiguous `[rows,
+        // width]` and `weight` `[out_dim, width]` at 16-byte boundaries of
+        // their (aligned) allocations, the outputs freshly allocated.
+        Ok(unsafe {
+            berrylm_add_offset_rms_norm_matmul(
+                dtype_code(OP, dtype)?,
+                p.input(x),
+                p.input(delta),
+                p.input(scale),
+                p.output(sum),
+                p.output(normed),
+                p.input(weight),
+                p.output(y),
+                c_size(OP, "x", rows)?,
+                c_size(OP, "x", width)?,
+                c_size(OP, "weight", out_dim)?,
+                (1.0 / width as f64) as f32,
+                eps as f32,
+                p.stream(),
+            )
+        })
+    })?;
+    Ok(Some((
+        outputs.tensor(sum),
+        outputs.tensor(normed),
+        outputs.tensor(y),
+    )))
 }
 
 impl GatedRmsNormArgs<'_> {

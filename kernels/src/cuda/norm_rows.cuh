@@ -13,6 +13,11 @@
 // A lane keeps its first kCachedValues values in registers (all of them up
 // to width 2048), loaded together rather than one after another, so a
 // row's second pass reads no memory for them.
+//
+// Rows of a multiple of 8 up to 4096 wide may instead take the vector
+// layout: one block a row, thread t owning the elements [8t, 8t + 8)
+// (vec_row_root, vec_row_normed), which norm.cu's vector kernel and
+// attn_res.cu's fused norm share.
 #pragma once
 
 #include "common.cuh"
@@ -115,6 +120,34 @@ __device__ __forceinline__ float row_root(const RowLanes& lanes, int width, int 
         }
     }
     return __fsqrt_rn(__fadd_rn(__fmul_rn(sum_sq, inv_width), eps));
+}
+
+// Elements a thread owns in the vector layout (berrylm::store8's).
+constexpr int kVecElements = 8;
+
+// The root of a row in the vector layout from each thread's values `v`
+// (zeros past the row's end): the squares summed over the thread's 8, then
+// the warp, then the block's warps in order. Every thread of the block calls
+// it; `partial` is shared memory of one float a warp.
+__device__ __forceinline__ float vec_row_root(const float (&v)[kVecElements], float* partial,
+                                              float inv_width, float eps) {
+    float sum_sq = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kVecElements; ++i) sum_sq = __fadd_rn(sum_sq, __fmul_rn(v[i], v[i]));
+    sum_sq = berrylm::warp_sum(sum_sq);
+    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = sum_sq;
+    __syncthreads();
+    float total = 0.0f;
+    for (int k = 0; k < static_cast<int>(blockDim.x >> 5); ++k) total = __fadd_rn(total, partial[k]);
+    return __fsqrt_rn(__fadd_rn(__fmul_rn(total, inv_width), eps));
+}
+
+// A thread's normed values v / rms * scale (rounded when stored).
+__device__ __forceinline__ void vec_row_normed(const float (&v)[kVecElements], float rms,
+                                               const float (&scale)[kVecElements],
+                                               float (&y)[kVecElements]) {
+#pragma unroll
+    for (int i = 0; i < kVecElements; ++i) y[i] = __fmul_rn(__fdiv_rn(v[i], rms), scale[i]);
 }
 
 }  // namespace berrylm::norm_rows

@@ -25,6 +25,18 @@
 
 namespace berrylm::rows {
 
+// The elements of T a 16-byte vector holds.
+template <typename T>
+constexpr int kPerVector = 16 / static_cast<int>(sizeof(T));
+
+// The elements of T in the 16-byte vector `raw`, from out[first] on, in f32.
+template <typename T, int N>
+__device__ __forceinline__ void unpack_vector(const uint4& raw, float (&out)[N], int first = 0) {
+    const T* values = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < kPerVector<T>; ++i) out[first + i] = berrylm::to_f32(values[i]);
+}
+
 // VEC consecutive elements of T into f32, with 16-byte loads when VEC > 1
 // (`p` 16-byte aligned).
 template <typename T, int VEC>
@@ -32,14 +44,11 @@ __device__ __forceinline__ void load_vec(const T* p, float (&out)[VEC]) {
     if constexpr (VEC == 1) {
         out[0] = berrylm::to_f32(*p);
     } else {
-        constexpr int kPerLoad = 16 / static_cast<int>(sizeof(T));
-        static_assert(VEC % kPerLoad == 0, "whole 16-byte vectors");
+        static_assert(VEC % kPerVector<T> == 0, "whole 16-byte vectors");
 #pragma unroll
-        for (int chunk = 0; chunk < VEC / kPerLoad; ++chunk) {
-            const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p) + chunk);
-            const T* values = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-            for (int i = 0; i < kPerLoad; ++i) out[chunk * kPerLoad + i] = berrylm::to_f32(values[i]);
+        for (int chunk = 0; chunk < VEC / kPerVector<T>; ++chunk) {
+            unpack_vector<T>(__ldg(reinterpret_cast<const uint4*>(p) + chunk), out,
+                             chunk * kPerVector<T>);
         }
     }
 }

@@ -1,4 +1,4 @@
-use berrylm_kernels::{attn_res_mix, Result};
+use berrylm_kernels::{attn_res_mix, attn_res_mix_norm, Result};
 use candle_core::{DType, Tensor};
 
 use crate::common::{assert_close, assert_identical, f32_values, f64_values, tensor, Rng};
@@ -155,6 +155,42 @@ fn gated_blend_rounds_op_by_op_in_the_stream_dtype() -> Result<()> {
         let expected = x.add(&(mix.sub(x)?).broadcast_mul(&strength)?)?;
         let blended = attn_res_mix(&sources, &pseudo_query, Some(gate), EPS)?;
         assert_identical(&blended, &expected)?;
+    }
+    Ok(())
+}
+
+/// The (1 + w) RMSNorm of each `HIDDEN`-wide row of `rows`, in `f64`.
+fn reference_norm(rows: &[f64], scale: &[f64], eps: f64) -> Vec<f64> {
+    rows.chunks_exact(HIDDEN)
+        .flat_map(|row| {
+            let rms = (row.iter().map(|v| v * v).sum::<f64>() / HIDDEN as f64 + eps).sqrt();
+            row.iter()
+                .zip(scale)
+                .map(move |(v, s)| v / rms * s)
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+#[test]
+fn mix_then_input_norm_matches_f64_reference() -> Result<()> {
+    let mut rng = Rng::new(16);
+    let scale = rng.uniform_vec(HIDDEN, 0.5, 1.5);
+    let scale_f64: Vec<f64> = scale.iter().map(|&s| f64::from(s)).collect();
+    let scale = tensor(scale, &[HIDDEN])?;
+    let norm_eps = 1e-5;
+    for (count, gate) in [(1, None), (3, Some(0.7f32)), (6, Some(-1.2))] {
+        let (sources, pseudo_query) = inputs(20 + count as u64, count)?;
+        let (mix, normed) =
+            attn_res_mix_norm(&sources, &pseudo_query, gate, EPS, &scale, norm_eps)?;
+        let expected_mix = reference(&sources, &pseudo_query, gate.map(f64::from))?;
+        assert_close(&f32_values(&mix)?, &expected_mix, 1e-5, 1e-5);
+        assert_eq!(
+            (normed.dims(), normed.dtype()),
+            (&[TOKENS, HIDDEN][..], DType::F32)
+        );
+        let expected = reference_norm(&expected_mix, &scale_f64, norm_eps);
+        assert_close(&f32_values(&normed)?, &expected, 1e-5, 1e-5);
     }
     Ok(())
 }

@@ -1,8 +1,8 @@
 use berrylm_kernels::{
-    attn_res_mix, causal_conv1d, decode_matmul, gated_rms_norm, kda_core_in_pool, kda_gate,
-    kda_recurrence, kda_recurrence_in_pool_with, kda_recurrence_with, moe_block_decode, moe_route,
-    offset_rms_norm, KdaCoreInputs, KdaCoreParams, KdaPrefillAlgorithm, MoeBlockInputs,
-    MoeBlockWeights, Result, StatePool,
+    add_offset_rms_norm_matmul, attn_res_mix, attn_res_mix_norm, causal_conv1d, decode_matmul,
+    gated_rms_norm, kda_core_in_pool, kda_gate, kda_recurrence, kda_recurrence_in_pool_with,
+    kda_recurrence_with, moe_block_decode, moe_route, offset_rms_norm, KdaCoreInputs,
+    KdaCoreParams, KdaPrefillAlgorithm, MoeBlockInputs, MoeBlockWeights, Result, StatePool,
 };
 
 use crate::common::assert_rejects;
@@ -299,6 +299,19 @@ fn attn_res_mix_rejects_bad_arguments() {
         op,
         "pseudo_query",
     );
+    let op = "attn_res_mix_norm";
+    let scale = zeros(&[8]);
+    assert_rejects(
+        attn_res_mix_norm(&[], &query, None, 1e-6, &scale, 1e-6),
+        op,
+        "sources",
+    );
+    let with_scale = |scale: &Tensor| {
+        attn_res_mix_norm(std::slice::from_ref(&x), &query, None, 1e-6, scale, 1e-6)
+    };
+    assert_rejects(with_scale(&zeros(&[7])), op, "scale");
+    let bf16_scale = scale.to_dtype(DType::BF16).expect("bf16");
+    assert_rejects(with_scale(&bf16_scale), op, "scale");
 }
 
 #[test]
@@ -395,6 +408,25 @@ fn offset_rms_norm_rejects_bad_arguments() {
     );
     let integer_x = Tensor::zeros((3, 8), DType::U32, &Device::Cpu).expect("zeros");
     assert_rejects(offset_rms_norm(&integer_x, &zeros(&[8]), 1e-6), op, "x");
+}
+
+#[test]
+fn add_offset_rms_norm_matmul_rejects_bad_arguments() {
+    let (x, scale, weight) = (zeros(&[3, 8]), zeros(&[8]), zeros(&[5, 8]));
+    let call = |delta: &Tensor, scale: &Tensor, weight: &Tensor| {
+        add_offset_rms_norm_matmul(&x, delta, scale, 1e-6, weight)
+    };
+    let op = "add_offset_rms_norm_matmul";
+    assert_rejects(call(&x, &scale, &zeros(&[5, 7])), op, "weight");
+    let half = zeros(&[5, 8]).to_dtype(DType::BF16).expect("bf16");
+    assert_rejects(call(&x, &scale, &half), op, "weight");
+    // The norm's own arguments, named by the norm.
+    assert_rejects(
+        call(&zeros(&[3, 7]), &scale, &weight),
+        "offset_rms_norm",
+        "delta",
+    );
+    assert_rejects(call(&x, &zeros(&[7]), &weight), "offset_rms_norm", "scale");
 }
 
 #[test]

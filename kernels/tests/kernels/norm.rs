@@ -1,4 +1,6 @@
-use berrylm_kernels::{add_offset_rms_norm, gated_rms_norm, offset_rms_norm, Result};
+use berrylm_kernels::{
+    add_offset_rms_norm, add_offset_rms_norm_matmul, gated_rms_norm, offset_rms_norm, Result,
+};
 use candle_core::{DType, Tensor, D};
 
 use crate::common::{
@@ -238,5 +240,46 @@ fn add_offset_rms_norm_returns_the_sum_and_its_norm() -> Result<()> {
         "offset_rms_norm",
         "delta",
     );
+    Ok(())
+}
+
+/// The fused decode-step projection after the residual norm: the sum and
+/// normed rows as above, and the projection of the normed rows (f64
+/// products of the values returned, rounded once to the dtype).
+#[test]
+fn add_offset_rms_norm_matmul_projects_the_normed_rows() -> Result<()> {
+    let mut rng = Rng::new(22);
+    let x = tensor(rng.uniform_vec(3 * 40, -3.0, 3.0), &[3, 40])?;
+    let delta = tensor(rng.uniform_vec(3 * 40, -1.0, 1.0), &[3, 40])?;
+    let scale = tensor(rng.uniform_vec(40, 0.5, 1.5), &[40])?;
+    let weight = tensor(rng.uniform_vec(5 * 40, -0.5, 0.5), &[5, 40])?;
+    for (dtype, step) in [(DType::F32, 64.0 * F32_U), (DType::BF16, 1.0 / 256.0)] {
+        let (x, delta, weight) = (
+            x.to_dtype(dtype)?,
+            delta.to_dtype(dtype)?,
+            weight.to_dtype(dtype)?,
+        );
+        let (sum, normed, y) = add_offset_rms_norm_matmul(&x, &delta, &scale, EPS, &weight)?;
+        let (expected_sum, _) = add_offset_rms_norm(&x, &delta, &scale, EPS)?;
+        assert_identical(&sum, &expected_sum)?;
+        assert_close(
+            &f32_values(&normed)?,
+            &offset_reference(&sum, &scale, EPS)?,
+            0.0,
+            step,
+        );
+        assert_eq!((y.dims(), y.dtype()), (&[3, 5][..], dtype));
+        let (normed, weight) = (f64_values(&normed)?, f64_values(&weight)?);
+        let expected: Vec<f64> = normed
+            .chunks(40)
+            .flat_map(|row| {
+                weight
+                    .chunks(40)
+                    .map(|w| row.iter().zip(w).map(|(a, b)| a * b).sum::<f64>())
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        assert_close(&f32_values(&y)?, &expected, 1e-5, step);
+    }
     Ok(())
 }

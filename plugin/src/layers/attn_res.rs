@@ -4,6 +4,7 @@
 use candle_core::{DType, Result, Tensor};
 
 use crate::config::BerryLmConfig;
+use crate::layers::norm::OffsetRmsNorm;
 use crate::weights::Weights;
 
 #[derive(Debug, Clone)]
@@ -55,15 +56,23 @@ impl AttnRes {
     }
 
     /// Mixes `committed` block streams (oldest first) with the current stream `x`,
-    /// all `[N, hidden]`.
-    pub fn forward(&self, committed: &[Tensor], x: &Tensor) -> Result<Tensor> {
+    /// all `[N, hidden]`, and applies the layer's input `norm` to the mix, in
+    /// one kernel on CUDA: returns `(mix, norm(mix))`.
+    pub fn forward_norm(
+        &self,
+        committed: &[Tensor],
+        x: &Tensor,
+        norm: &OffsetRmsNorm,
+    ) -> Result<(Tensor, Tensor)> {
         let mut sources: Vec<Tensor> = committed.to_vec();
         sources.push(x.clone());
-        Ok(berrylm_kernels::attn_res_mix(
+        Ok(berrylm_kernels::attn_res_mix_norm(
             &sources,
             &self.pseudo_query,
             self.gate,
             self.eps,
+            norm.scale(),
+            norm.eps(),
         )?)
     }
 }

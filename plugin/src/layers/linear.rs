@@ -29,6 +29,13 @@ impl Linear {
         self.weight.dims()[0]
     }
 
+    /// Whether `x` is a decode step's few rows on CUDA, which this
+    /// projection computes in BerryLM's decode kernel
+    /// (`berrylm_kernels::decode_matmul`).
+    pub fn takes_decode_matmul(&self, x: &Tensor) -> bool {
+        mistralrs_quant::should_use_gemv(x, &self.weight)
+    }
+
     /// Loads `{name}.weight` `[out_dim, in_dim]` and, if `with_bias`, `{name}.bias`.
     pub fn load(
         weights: &Weights,
@@ -112,7 +119,7 @@ impl Module for Linear {
         // rows): one launch, cheaper for the host to dispatch than a cuBLAS
         // product (docs/performance.md).
         #[cfg(feature = "cuda")]
-        if mistralrs_quant::should_use_gemv(&x, &self.weight) {
+        if self.takes_decode_matmul(&x) {
             let (out_dim, in_dim) = self.weight.dims2()?;
             let rows = x.reshape(((), in_dim))?;
             let y = berrylm_kernels::decode_matmul(&rows, &self.weight)?;

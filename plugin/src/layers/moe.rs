@@ -39,7 +39,8 @@ use mistralrs_quant::{Comm, Id, ShardedSafeTensors};
 
 use crate::config::BerryLmConfig;
 use crate::layers::linear::Linear;
-use crate::layers::projection::{HostLayer, Projection, ProjectionSpec, Projections};
+use crate::layers::norm::OffsetRmsNorm;
+use crate::layers::projection::{HostLayer, Projected, Projection, ProjectionSpec, Projections};
 use crate::weights::Weights;
 
 /// One SwiGLU expert: `down(silu(gate x) * up x)`.
@@ -235,15 +236,30 @@ impl SparseMoe {
         self.shared_down.full_precision_tensors(out)
     }
 
+    /// The residual stream after this block from its layer's mixer on:
+    /// `h + moe(norm(h))` with `h = x + mixed`, all `[B * T, hidden]` (`B`
+    /// sequences of `T` tokens). A decode step computes the sum, its norm
+    /// and this block's input projections in one kernel.
+    pub fn forward_after_mixer(
+        &self,
+        x: &Tensor,
+        mixed: &Tensor,
+        norm: &OffsetRmsNorm,
+        (rows, seq_len): (usize, usize),
+    ) -> Result<Tensor> {
+        let (h, normed, projected) = self.input_proj.forward_residual_norm(x, mixed, norm)?;
+        let hidden = normed.dim(1)?;
+        self.forward(&normed.reshape((rows, seq_len, hidden))?, &projected, &h)
+    }
+
     /// The residual stream after this block: `residual + moe(x)`, where `x`
-    /// is `[B, T, hidden]` (`B` sequences of `T` tokens, the normed stream)
-    /// and `residual` is `[B * T, hidden]`, like the result.
-    pub fn forward(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+    /// is `[B, T, hidden]` (the normed stream), `projected` its input
+    /// projections and `residual` is `[B * T, hidden]`, like the result.
+    fn forward(&self, x: &Tensor, projected: &Projected<'_>, residual: &Tensor) -> Result<Tensor> {
         let (rows, seq_len, hidden) = x.dims3()?;
         let dtype = x.dtype();
         let flat = x.reshape((rows * seq_len, hidden))?;
         // Views of the stacked projection's columns (contiguous for one token).
-        let projected = self.input_proj.forward(&flat)?;
         let shared_gate_up = projected.span(0..2)?;
         let router_logits = projected.part(2)?;
         let shared_gate_logit = projected.part(3)?;

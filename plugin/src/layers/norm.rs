@@ -31,6 +31,16 @@ impl OffsetRmsNorm {
         })
     }
 
+    /// `1 + w` in f32, the factor the kernels apply.
+    pub fn scale(&self) -> &Tensor {
+        &self.scale
+    }
+
+    /// The epsilon added to the mean square.
+    pub fn eps(&self) -> f64 {
+        self.eps
+    }
+
     /// Its weight under its checkpoint name.
     pub fn checkpoint_tensor(&self) -> (String, Tensor) {
         self.weight.clone()

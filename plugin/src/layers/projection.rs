@@ -31,6 +31,7 @@ use mistralrs_quant::{DummyLayer, QuantMethod, QuantMethodConfig, UnquantLinear}
 
 use crate::error::BerryLmError;
 use crate::layers::linear::Linear;
+use crate::layers::norm::OffsetRmsNorm;
 use crate::quantization;
 use crate::weights::Weights;
 
@@ -450,6 +451,37 @@ impl Projections {
             outputs,
             places: &self.places,
         })
+    }
+
+    /// The residual sum `x + delta` (`[N, in]` each), `norm` of it and
+    /// every projection of the normed rows: `(sum, normed, projected)`. A
+    /// decode step of one full-precision stack without a bias runs all three
+    /// in one kernel (`berrylm_kernels::add_offset_rms_norm_matmul`).
+    pub fn forward_residual_norm(
+        &self,
+        x: &Tensor,
+        delta: &Tensor,
+        norm: &OffsetRmsNorm,
+    ) -> Result<(Tensor, Tensor, Projected<'_>)> {
+        if let [Segment::Stacked { linear, .. }] = self.segments.as_slice() {
+            if linear.bias().is_none() && linear.takes_decode_matmul(x) {
+                let (sum, normed, y) = berrylm_kernels::add_offset_rms_norm_matmul(
+                    x,
+                    delta,
+                    norm.scale(),
+                    norm.eps(),
+                    linear.weight(),
+                )?;
+                let projected = Projected {
+                    outputs: vec![SegmentOutput::Joint(y)],
+                    places: &self.places,
+                };
+                return Ok((sum, normed, projected));
+            }
+        }
+        let (sum, normed) = norm.forward_residual(x, delta)?;
+        let projected = self.forward(&normed)?;
+        Ok((sum, normed, projected))
     }
 
     /// A group of quantized projections followed by full-precision ones (KDA's
