@@ -5,8 +5,9 @@
 use candle_core::{DType, Device, Tensor, D};
 
 use crate::{
-    expect_device, expect_dim, expect_float_dtype, expect_on_device, expect_positive, expect_shape,
-    float_dims, invalid_argument, round_to_dtype, silu, tensor_from_f32, to_f32_vec, Result,
+    expect_device, expect_dim, expect_float_dtype, expect_on_device, expect_positive,
+    expect_same_dtype, expect_shape, float_dims, invalid_argument, round_to_dtype, silu,
+    tensor_from_f32, to_f32_vec, Result,
 };
 
 const OP: &str = "gated_rms_norm";
@@ -203,17 +204,13 @@ pub fn add_offset_rms_norm_matmul(
         weight_width,
         width,
     )?;
-    if weight.dtype() != x.dtype() {
-        return Err(invalid_argument(
-            NORM_MATMUL_OP,
-            "weight",
-            format!(
-                "dtype {:?} differs from `x`'s {:?}",
-                weight.dtype(),
-                x.dtype()
-            ),
-        ));
-    }
+    expect_same_dtype(
+        NORM_MATMUL_OP,
+        "weight",
+        weight,
+        x.dtype(),
+        "the dtype of `x`",
+    )?;
     expect_device(NORM_MATMUL_OP, "weight", weight, x.device())?;
     validate_offset_norm(x, scale)?;
     validate_delta(x, delta)?;
