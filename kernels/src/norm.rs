@@ -5,7 +5,7 @@
 use candle_core::{DType, Device, Tensor, D};
 
 use crate::{
-    expect_device, expect_dim, expect_float_dtype, expect_on_device, expect_positive,
+    expect_device, expect_dim, expect_float_dtype, expect_like, expect_on_device, expect_positive,
     expect_same_dtype, expect_shape, float_dims, invalid_argument, round_to_dtype, silu,
     tensor_from_f32, to_f32_vec, Result,
 };
@@ -154,7 +154,7 @@ pub fn add_offset_rms_norm(
     eps: f64,
 ) -> Result<(Tensor, Tensor)> {
     validate_offset_norm(x, scale)?;
-    validate_delta(x, delta)?;
+    expect_like(OFFSET_OP, "delta", delta, x.dims(), ("x", x))?;
     on_device!(
         OFFSET_OP,
         x.device(),
@@ -213,7 +213,7 @@ pub fn add_offset_rms_norm_matmul(
     )?;
     expect_device(NORM_MATMUL_OP, "weight", weight, x.device())?;
     validate_offset_norm(x, scale)?;
-    validate_delta(x, delta)?;
+    expect_like(OFFSET_OP, "delta", delta, x.dims(), ("x", x))?;
     let separate = || -> Result<(Tensor, Tensor, Tensor)> {
         let (sum, normed) = add_offset_rms_norm(x, delta, scale, eps)?;
         let y = crate::decode_matmul(&normed, weight)?;
@@ -225,25 +225,6 @@ pub fn add_offset_rms_norm_matmul(
             None => separate(),
         }
     })
-}
-
-/// Validates `add_offset_rms_norm`'s `delta`: the shape, dtype and device
-/// of `x`.
-fn validate_delta(x: &Tensor, delta: &Tensor) -> Result<()> {
-    if delta.dims() != x.dims() || delta.dtype() != x.dtype() {
-        return Err(invalid_argument(
-            OFFSET_OP,
-            "delta",
-            format!(
-                "{:?} {:?} differs from `x`'s {:?} {:?}",
-                delta.dtype(),
-                delta.dims(),
-                x.dtype(),
-                x.dims()
-            ),
-        ));
-    }
-    expect_device(OFFSET_OP, "delta", delta, x.device())
 }
 
 /// Validates `offset_rms_norm`'s `x` (rank at least 1, a positive last
