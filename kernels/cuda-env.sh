@@ -44,7 +44,7 @@ _berrylm_cuda_setup() {
         local cudarc_src
         cudarc_src="$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-0.19.* 2>/dev/null | sort -V | tail -n 1)"
         if [ -z "$cudarc_src" ]; then
-            echo "cuda-env.sh: cudarc 0.19 sources not found; run 'cargo fetch' first, then source again" >&2
+            echo "cuda-env.sh: cudarc 0.19 sources not found; run 'cargo xtask prepare && cargo fetch' first, then source again" >&2
             return 1
         fi
         grep -ohE "^pub unsafe fn cu[A-Za-z0-9_]+\(" "$cudarc_src/src/driver/sys/mod.rs" \
@@ -66,9 +66,13 @@ _berrylm_cuda_setup() {
     export CUDAFORGE_THREADS="${CUDAFORGE_THREADS:-1}"
 }
 
+# Sourcing returns the setup's status, so that `. kernels/cuda-env.sh && cargo
+# xtask build --cuda` stops at a failed setup.
 if _berrylm_cuda_setup; then
+    unset -f _berrylm_cuda_setup
     echo "cuda-env.sh: CUDA_HOME=$CUDA_HOME CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP"
 else
+    unset -f _berrylm_cuda_setup
     echo "cuda-env.sh: setup failed" >&2
+    false
 fi
-unset -f _berrylm_cuda_setup

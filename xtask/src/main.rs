@@ -1,5 +1,6 @@
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode};
+use std::process::{Command, ExitCode, Stdio};
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
@@ -204,6 +205,9 @@ fn run_step(description: &str, command: &mut Command) -> Result<()> {
 }
 
 fn build_workspace(repo: &Repo, options: &BuildOptions) -> Result<()> {
+    if options.cuda {
+        check_cuda_toolkit(std::env::var_os("PATH").as_deref())?;
+    }
     run_step(
         "building the workspace and the host CLI with berrylm (release; the first build of \
          mistral.rs takes about 25 minutes on 2 cores)",
@@ -216,6 +220,28 @@ fn build_workspace(repo: &Repo, options: &BuildOptions) -> Result<()> {
             "--features",
             &options.features(),
         ]),
+    )
+}
+
+/// Fails, saying how to set one up, unless `nvcc` runs from the directories
+/// of `path` (a `PATH` value): the CUDA build compiles kernels with it, and
+/// without it cudarc's build script panics minutes into the build.
+fn check_cuda_toolkit(path: Option<&OsStr>) -> Result<()> {
+    let mut nvcc = Command::new("nvcc");
+    nvcc.arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    match path {
+        Some(path) => nvcc.env("PATH", path),
+        None => nvcc.env_remove("PATH"),
+    };
+    if nvcc.status().is_ok_and(|status| status.success()) {
+        return Ok(());
+    }
+    bail!(
+        "the CUDA build needs a CUDA toolkit's `nvcc` on PATH; on a machine without one, \
+         `cargo xtask prepare && cargo fetch`, then `. kernels/cuda-env.sh` in this shell \
+         (kernels/CUDA.md)"
     )
 }
 
@@ -469,6 +495,23 @@ fn install(repo: &Repo, options: &BuildOptions) -> Result<()> {
 mod tests {
     use super::*;
     use clap::CommandFactory;
+
+    /// A CUDA build is refused, naming the setup script, when no `nvcc`
+    /// runs from PATH, and goes ahead when one does.
+    #[test]
+    fn the_cuda_build_needs_nvcc_on_path() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("xtask-nvcc-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a temporary folder");
+        let error = check_cuda_toolkit(Some(dir.as_os_str())).expect_err("no nvcc there");
+        assert!(error.to_string().contains("kernels/cuda-env.sh"), "{error}");
+        let nvcc = dir.join("nvcc");
+        std::fs::write(&nvcc, "#!/bin/sh\nexit 0\n").expect("a stand-in nvcc");
+        std::fs::set_permissions(&nvcc, std::fs::Permissions::from_mode(0o755)).expect("mode");
+        let result = check_cuda_toolkit(Some(dir.as_os_str()));
+        std::fs::remove_dir_all(&dir).expect("cleaned up");
+        result.expect("an nvcc that runs");
+    }
 
     fn parse(args: &[&str]) -> Result<Cmd, clap::Error> {
         Cli::try_parse_from(std::iter::once("cargo xtask").chain(args.iter().copied()))
