@@ -41,24 +41,32 @@
 # triton, and the wheels of fla-core and of the pure-Python packages it imports,
 # einops and packaging, in $FLA_WHEELS (default .gpu3, e.g. `pip download
 # fla-core==0.6.0 einops packaging --no-deps -d .gpu3` on a machine with PyPI);
-# they are unzipped once per machine to $FLA_DIR; $FLA_ARGS are passed on).
+# they are unzipped once per machine to $FLA_DIR; $FLA_ARGS are passed on),
+# ab-decode (two builds' decode forward alternated: the base build's
+# berrylm-bench in $BASE_PACKED against this one's, $AB_ROUNDS rounds, default
+# 6, of $AB_LAYERS layers, default 40, at batch $AB_BATCH, default 1).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN="${BIN:-$PWD/.device-bin}"
-mkdir -p "$BIN"
-# zstd-compressed executables (smaller than xz at the same time), and a zstd
-# binary beside them where the machine has none.
 PACKED="${PACKED:-.device}"
-ZSTD="$(command -v zstd || echo "$PACKED/zstd")"
-for packed in "$PACKED"/*.zst "$PACKED"/*.xz; do
-    [ -e "$packed" ] || continue
-    name="$(basename "${packed%.*}")"
-    [ -x "$BIN/$name" ] && continue
-    case "$packed" in
-    *.zst) "$ZSTD" -q -dc "$packed" > "$BIN/$name" ;;
-    *.xz) xz -dc "$packed" > "$BIN/$name" ;;
-    esac && chmod +x "$BIN/$name"
-done
+# Unpacks the zstd- or xz-compressed executables of folder $1 into folder $2
+# (a zstd binary may come beside them where the machine has none); one
+# already there is kept.
+unpack() {
+    local folder="$1" bin="$2" packed name zstd
+    zstd="$(command -v zstd || echo "$folder/zstd")"
+    mkdir -p "$bin"
+    for packed in "$folder"/*.zst "$folder"/*.xz; do
+        [ -e "$packed" ] || continue
+        name="$(basename "${packed%.*}")"
+        [ -x "$bin/$name" ] && continue
+        case "$packed" in
+        *.zst) "$zstd" -q -dc "$packed" > "$bin/$name" ;;
+        *.xz) xz -dc "$packed" > "$bin/$name" ;;
+        esac && chmod +x "$bin/$name"
+    done
+}
+unpack "$PACKED" "$BIN"
 # The fla step's python3 keeps the caller's library path (torch brings its own CUDA libraries).
 PY_LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
 export LD_LIBRARY_PATH="${CUDA_RUNTIME_LIBS:-/usr/local/cuda-13.0/targets/x86_64-linux/lib}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -342,6 +350,24 @@ fla_bench() {
         ${FLA_ARGS:-} ${OUT:+--json "$OUT/fla.json"}
 }
 
+# Two builds' decode forward alternated: the berrylm-bench of $BASE_PACKED
+# (unpacked into $BASE_BIN, default .device-bin-base) then this build's,
+# $AB_ROUNDS times (default 6), $AB_LAYERS layers (default 40) at batch
+# $AB_BATCH (default 1), 100 steps from CUDA graphs a run; prints each run's
+# decode row and weight-read floor.
+ab_decode() {
+    local base_bin="${BASE_BIN:-$PWD/.device-bin-base}" batch="${AB_BATCH:-1}" round bin
+    unpack "${BASE_PACKED:?set BASE_PACKED to a folder with the base build of berrylm-bench}" "$base_bin"
+    for round in $(seq "${AB_ROUNDS:-6}"); do
+        for bin in "$base_bin" "$BIN"; do
+            echo "round $round: $bin/berrylm-bench"
+            "$bin/berrylm-bench" --device cuda --dtype bf16 --layers "${AB_LAYERS:-40}" --prefill none \
+                --decode "$batch" --decode-kv graphs --no-kernels --no-op-costs --copy-mib 256 \
+                --steps 100 --warmup 5 | grep -E "^\| $batch \||^floor at" || return 1
+        done
+    done
+}
+
 log() { if [ -n "${OUT:-}" ]; then tee -a "$OUT/$1.log"; else cat; fi; }
 
 step() {
@@ -380,6 +406,7 @@ step() {
         BERRYLM_SERVER_ARGS="--paged-attn on --pa-memory-mb 1024" \
         "$BIN/test-server_model_errors" --include-ignored --test-threads 1 ;;
     fla) fla_bench ;;
+    ab-decode) ab_decode ;;
     *) echo "unknown step $1" >&2; return 2 ;;
     esac
 }
