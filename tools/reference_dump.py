@@ -15,7 +15,8 @@ Usage
     python tools/reference_dump.py --model DIR --out OUT_DIR \\
         (--prompt TEXT [--prompt TEXT ...] | --ids "1,2,3" [--ids ...] | --chat FILE.json) \\
         [--device cpu|cuda] [--gen-tokens N] [--gen-prompt I] [--hidden-states] [--no-bf16] \\
-        [--bos auto|always|never] [--no-completions] [--trust-remote-code] [--name NAME]
+        [--bos auto|always|never] [--no-completions] [--trust-remote-code] [--name NAME] \\
+        [--modeling DIR] [--bf16-cast-buffers]
 
 Examples:
 
@@ -47,13 +48,17 @@ Outputs, in OUT_DIR:
 * `golden.safetensors`:
   * `seq{i}.input_ids` i64 [T];
   * `seq{i}.logits_f32` f32 [T, vocab]: the model loaded in float32, eager attention when the
-    model supports `attn_implementation="eager"` (else its default, recorded), one forward over
+    model supports `attn_implementation="eager"` (else its default, recorded) and the model's own
+    expert loop where it takes `experts_implementation="eager"` (recorded), one forward over
     the whole sequence without cache; TF32 is disabled on CUDA;
   * `seq{i}.hidden_states_f32` f32 [L+1, T, hidden] with `--hidden-states`
     (`output_hidden_states`, transformers' convention: embeddings first, last entry after the
     final norm);
   * `seq{i}.logits_bf16` f32 [T, vocab]: the same forward with the model loaded in bfloat16,
-    logits cast to float32 (skipped with `--no-bf16`);
+    logits cast to float32 (skipped with `--no-bf16`). `from_pretrained` keeps the rotary
+    embedding's `inv_freq` buffer in float32; `--bf16-cast-buffers` casts it (and any other floating
+    buffer) to bfloat16 as `model.to(torch.bfloat16)` does, which is how the vendored fixtures'
+    `logits_bf16` were made (the rotary angles then round differently from the second position on);
   * `gen.prompt_ids`, `gen.output_ids` i64, `gen.step_logits_f32` f32 [N, vocab]: greedy
     decoding of N = `--gen-tokens` tokens from sequence `--gen-prompt` (default 0): at every step
     the float32 logits of the whole sequence so far are recomputed from scratch (no cache) and
@@ -72,7 +77,8 @@ Corpus mode
 
     python tools/reference_dump.py --model DIR --out OUT_DIR --corpus FILE.jsonl \
         --num-prompts N --prompt-length P --decode-length D --seed S \
-        [--batch-size B] [--device cpu|cuda] [--greedy cached|recompute] [--trust-remote-code]
+        [--batch-size B] [--device cpu|cuda] [--greedy cached|recompute] [--trust-remote-code] \\
+        [--modeling DIR] [--bf16-cast-buffers]
 
 writes the corpus protocol's reference, in the layout of ../shared/golden/trained-tiny-corpus (its README):
 
@@ -146,6 +152,13 @@ def parse_args(argv):
                         help="leading BOS for --prompt: auto (default) = only when the tokenizer adds one by default")
     parser.add_argument("--no-completions", action="store_true", help="with --chat: do not record greedy completion texts")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own modeling/tokenizer code")
+    parser.add_argument("--modeling", metavar="DIR",
+                        help="a transformers model package (e.g. transformers main's src/transformers/models/berrylm) "
+                        "to import as transformers.models.<folder name> and register with the Auto classes, for a "
+                        "transformers release that lacks the architecture")
+    parser.add_argument("--bf16-cast-buffers", action="store_true",
+                        help="bfloat16 run: also cast the model's floating buffers (the rotary inv_freq) to bfloat16, "
+                        "as model.to(torch.bfloat16) does; from_pretrained keeps them in float32")
     parser.add_argument("--name", help="the `fixture` name in golden.json (default: the checkpoint folder's name)")
     corpus = parser.add_argument_group("corpus mode (with --corpus)")
     corpus.add_argument("--num-prompts", type=int, metavar="N", help="windows to sample (required)")
@@ -157,6 +170,8 @@ def parse_args(argv):
                         help="free-running decoding: cached (default; the model's cache, one token per step) or "
                         "recompute (a full forward over the whole sequence at every step, no cache)")
     args = parser.parse_args(argv)
+    if args.no_bf16 and args.bf16_cast_buffers:
+        parser.error("--bf16-cast-buffers applies to the bfloat16 run, which --no-bf16 leaves out")
     corpus_options = ("num_prompts", "prompt_length", "decode_length", "seed", "batch_size", "greedy")
     sequence_options = ("gen_tokens", "gen_prompt", "bos", "name")
     if args.corpus:
@@ -329,19 +344,87 @@ def dtype_keyword(transformers):
         return "torch_dtype"
 
 
-def load_model(torch, transformers, model_dir, dtype, device, trust_remote_code):
-    common = {dtype_keyword(transformers): dtype, "trust_remote_code": trust_remote_code}
+def load_model(torch, transformers, model_dir, dtype, device, args):
+    """The checkpoint in `dtype`, with the eager attention and the eager experts (the modeling file's own loops)
+    where the model takes them; with `--bf16-cast-buffers` a non-float32 model's floating buffers are cast too."""
+    common = {dtype_keyword(transformers): dtype, "trust_remote_code": args.trust_remote_code}
     auto = transformers.AutoModelForCausalLM
-    try:
-        model = auto.from_pretrained(model_dir, attn_implementation="eager", **common)
-    except (ValueError, TypeError, NotImplementedError) as error:
-        if "eager" not in str(error) and "attn_implementation" not in str(error):
-            raise
-        print(f"reference_dump: eager attention refused ({error}); using the model's default", file=sys.stderr)
-        model = auto.from_pretrained(model_dir, **common)
+    implementations = {"attn_implementation": "eager", "experts_implementation": "eager"}
+    while True:
+        try:
+            model = auto.from_pretrained(model_dir, **implementations, **common)
+            break
+        except (ValueError, TypeError, NotImplementedError) as error:
+            refused = refused_implementation(implementations, str(error))
+            if refused is None:
+                raise
+            print(f"reference_dump: {refused}='eager' refused ({error}); using the model's default", file=sys.stderr)
+            del implementations[refused]
+    if args.bf16_cast_buffers and dtype != torch.float32:
+        for module in model.modules():
+            for name, buffer in list(module.named_buffers(recurse=False)):
+                if buffer is not None and buffer.is_floating_point():
+                    setattr(module, name, buffer.to(dtype))
     model.to(device)
     model.eval()
     return model
+
+
+def refused_implementation(implementations, message):
+    """Which of the requested implementations a loading error refuses: the one it names, else the attention
+    (older transformers name only "eager")."""
+    for name in implementations:
+        if name in message:
+            return name
+    if "eager" in message and "attn_implementation" in implementations:
+        return "attn_implementation"
+    return None
+
+
+def experts_implementation(model):
+    config = model.config
+    return getattr(config, "_experts_implementation", None) or getattr(config, "experts_implementation", None)
+
+
+def register_modeling(transformers, folder):
+    """Imports the model package `folder` as transformers.models.<its name> and registers its configuration and
+    causal-LM classes with the Auto classes (`--modeling`)."""
+    import importlib
+    import transformers.models
+
+    folder = os.path.abspath(folder).rstrip(os.sep)
+    name = os.path.basename(folder)
+    if not os.path.isfile(os.path.join(folder, f"modeling_{name}.py")):
+        fail(f"--modeling {folder}: no modeling_{name}.py there")
+    if not os.path.isfile(os.path.join(folder, f"configuration_{name}.py")):
+        fail(f"--modeling {folder}: no configuration_{name}.py there")
+    parent = os.path.dirname(folder)
+    if parent not in transformers.models.__path__:
+        transformers.models.__path__.append(parent)
+    configuration = importlib.import_module(f"transformers.models.{name}.configuration_{name}")
+    modeling = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    configs = [c for c in vars(configuration).values()
+               if isinstance(c, type) and issubclass(c, transformers.PretrainedConfig)
+               and c.__module__ == configuration.__name__ and getattr(c, "model_type", "")]
+    causal = [c for c in vars(modeling).values()
+              if isinstance(c, type) and c.__name__.endswith("ForCausalLM") and c.__module__ == modeling.__name__]
+    if len(configs) != 1 or len(causal) != 1:
+        fail(f"--modeling {folder}: expected one configuration class with a model_type and one *ForCausalLM class, "
+             f"found {[c.__name__ for c in configs]} and {[c.__name__ for c in causal]}")
+    # exist_ok: the Auto mappings skip a class of a transformers.* module that is not theirs unless it is set.
+    transformers.AutoConfig.register(configs[0].model_type, configs[0], exist_ok=True)
+    transformers.AutoModelForCausalLM.register(configs[0], causal[0], exist_ok=True)
+    print(f"reference_dump: registered {causal[0].__name__} ({configs[0].model_type}) from {folder}", file=sys.stderr)
+
+
+def bf16_buffers(args):
+    if args.bf16_cast_buffers:
+        return "bfloat16 (--bf16-cast-buffers: the rotary inv_freq and every other floating buffer cast)"
+    return "as from_pretrained leaves them (the rotary inv_freq in float32)"
+
+
+def modeling_source(args):
+    return os.path.abspath(args.modeling) if args.modeling else None
 
 
 def attention_implementation(model):
@@ -672,6 +755,8 @@ def corpus_facts(torch, tensors, num_prompts, prompt_length, decode_length):
 
 def corpus_main(args, argv):
     torch, transformers = import_stack()
+    if args.modeling:
+        register_modeling(transformers, args.modeling)
     from safetensors.torch import save_file
 
     model_dir = args.model
@@ -699,19 +784,20 @@ def corpus_main(args, argv):
         tensors[f"prompt{i}.ids"] = torch.tensor(window, dtype=torch.int64)
 
     print(f"reference_dump: float32 run of {model_dir} on {device} (batch {args.batch_size})", file=sys.stderr)
-    model = load_model(torch, transformers, model_dir, torch.float32, device, args.trust_remote_code)
+    model = load_model(torch, transformers, model_dir, torch.float32, device, args)
     embeddings = model.get_input_embeddings().num_embeddings
     largest = max(max(window) for window in windows)
     if largest >= embeddings:
         fail(f"token id {largest} of the corpus is outside the embedding table ({embeddings} rows)")
     f32_continuations = corpus_run(torch, model, windows, args, "f32", tensors, None)
     attn_f32 = attention_implementation(model)
+    experts = experts_implementation(model)
     class_name = type(model).__name__
     del model
     release(torch, device)
 
     print("reference_dump: bfloat16 run", file=sys.stderr)
-    model = load_model(torch, transformers, model_dir, torch.bfloat16, device, args.trust_remote_code)
+    model = load_model(torch, transformers, model_dir, torch.bfloat16, device, args)
     attn_bf16 = attention_implementation(model)
     corpus_run(torch, model, windows, args, "bf16", tensors, f32_continuations)
     del model
@@ -746,6 +832,9 @@ def corpus_main(args, argv):
             ) + "; argmax of float32-cast logits; does not stop at EOS",
             "attn_implementation": attn_f32,
             "attn_implementation_bf16": attn_bf16,
+            "experts_implementation": experts,
+            "bf16_buffers": bf16_buffers(args),
+            "modeling": modeling_source(args),
             "tf32": False,
             "trust_remote_code": args.trust_remote_code,
             "checkpoint": os.path.abspath(model_dir),
@@ -780,6 +869,8 @@ def main(argv=None):
     if args.corpus:
         return corpus_main(args, argv)
     torch, transformers = import_stack()
+    if args.modeling:
+        register_modeling(transformers, args.modeling)
     from safetensors.torch import save_file
 
     model_dir = args.model
@@ -798,7 +889,7 @@ def main(argv=None):
     tensors = {}
     entries = []
     print(f"reference_dump: float32 run of {model_dir} on {device}", file=sys.stderr)
-    model = load_model(torch, transformers, model_dir, torch.float32, device, args.trust_remote_code)
+    model = load_model(torch, transformers, model_dir, torch.float32, device, args)
     embeddings = model.get_input_embeddings().num_embeddings
     for index, (ids, _) in enumerate(sequences):
         if max(ids) >= embeddings:
@@ -840,6 +931,7 @@ def main(argv=None):
     if tokenizer is not None:
         generation["text"] = tokenizer.decode(output_ids, skip_special_tokens=False)
     attn_f32 = attention_implementation(model)
+    experts = experts_implementation(model)
     class_name = type(model).__name__
     del model
     gc.collect()
@@ -849,7 +941,7 @@ def main(argv=None):
     attn_bf16 = None
     if not args.no_bf16:
         print("reference_dump: bfloat16 run", file=sys.stderr)
-        model = load_model(torch, transformers, model_dir, torch.bfloat16, device, args.trust_remote_code)
+        model = load_model(torch, transformers, model_dir, torch.bfloat16, device, args)
         attn_bf16 = attention_implementation(model)
         for index, (ids, _) in enumerate(sequences):
             logits, _ = forward(torch, model, ids, device)
@@ -871,6 +963,9 @@ def main(argv=None):
         "bf16_dtype": None if args.no_bf16 else "bfloat16 (logits_bf16: model loaded in bfloat16, logits cast to float32)",
         "attn_implementation": attn_f32,
         "attn_implementation_bf16": attn_bf16,
+        "experts_implementation": experts,
+        "bf16_buffers": None if args.no_bf16 else bf16_buffers(args),
+        "modeling": modeling_source(args),
         "tf32": False,
         "trust_remote_code": args.trust_remote_code,
         "checkpoint": os.path.abspath(model_dir),

@@ -227,6 +227,12 @@ class ReferenceDumpTest(unittest.TestCase):
             args += ["--ids", ids]
         run_dumper(args)
 
+        cls.out_cast = os.path.join(cls.tmp, "out-cast")
+        args = ["--model", cls.model_dir, "--out", cls.out_cast, "--gen-tokens", "1", "--bf16-cast-buffers"]
+        for text in PROMPTS:
+            args += ["--prompt", text]
+        run_dumper(args)
+
         cls.fresh = load_model(cls.model_dir, torch.float32)
 
     @classmethod
@@ -314,6 +320,62 @@ class ReferenceDumpTest(unittest.TestCase):
         rounded = tensors["seq1.logits_f32"].to(torch.bfloat16).float()
         self.assertFalse(torch.equal(rounded, tensors["seq1.logits_bf16"]))
 
+    def test_bf16_run_is_the_model_as_loaded_or_cast_whole_with_bf16_cast_buffers(self):
+        loaded = load_model(self.model_dir, torch.bfloat16)
+        cast = load_model(self.model_dir, torch.float32).to(torch.bfloat16)
+        plain = load_tensors(os.path.join(self.out_prompts, "golden.safetensors"))
+        with_cast = load_tensors(os.path.join(self.out_cast, "golden.safetensors"))
+        for i in range(len(PROMPTS)):
+            ids = plain[f"seq{i}.input_ids"][None]
+            with torch.no_grad():
+                expected_loaded = loaded(input_ids=ids, use_cache=False).logits[0].float()
+                expected_cast = cast(input_ids=ids, use_cache=False).logits[0].float()
+            self.assertTrue(torch.equal(plain[f"seq{i}.logits_bf16"], expected_loaded), f"seq{i}")
+            self.assertTrue(torch.equal(with_cast[f"seq{i}.logits_bf16"], expected_cast), f"seq{i}")
+            self.assertTrue(torch.equal(with_cast[f"seq{i}.logits_f32"], plain[f"seq{i}.logits_f32"]), f"seq{i}")
+        # The rotary frequencies round differently once cast: the longer prompt's later positions show it.
+        self.assertFalse(torch.equal(with_cast["seq1.logits_bf16"], plain["seq1.logits_bf16"]))
+        self.assertTrue(torch.equal(with_cast["seq1.logits_bf16"][:1], plain["seq1.logits_bf16"][:1]))
+        self.assertIn("float32", self.golden(self.out_prompts)["reference"]["bf16_buffers"])
+        self.assertIn("--bf16-cast-buffers", self.golden(self.out_cast)["reference"]["bf16_buffers"])
+
+    def test_modeling_registers_an_architecture_the_installed_transformers_lacks(self):
+        # A model package of a model type transformers does not know: Llama under another name.
+        package = os.path.join(self.tmp, "modeling", "toyllama")
+        os.makedirs(package)
+        with open(os.path.join(package, "__init__.py"), "w", encoding="utf-8") as handle:
+            handle.write("")
+        with open(os.path.join(package, "configuration_toyllama.py"), "w", encoding="utf-8") as handle:
+            handle.write("from ..llama.configuration_llama import LlamaConfig\n\n\n"
+                         "class ToyLlamaConfig(LlamaConfig):\n    model_type = 'toyllama'\n")
+        with open(os.path.join(package, "modeling_toyllama.py"), "w", encoding="utf-8") as handle:
+            handle.write("from ..llama.modeling_llama import LlamaForCausalLM\n"
+                         "from .configuration_toyllama import ToyLlamaConfig\n\n\n"
+                         "class ToyLlamaForCausalLM(LlamaForCausalLM):\n    config_class = ToyLlamaConfig\n")
+        model_dir = os.path.join(self.tmp, "toy", "model")
+        shutil.copytree(self.model_dir, model_dir)
+        config_path = os.path.join(model_dir, "config.json")
+        with open(config_path, encoding="utf-8") as handle:
+            config = json.load(handle)
+        config["model_type"] = "toyllama"
+        config["architectures"] = ["ToyLlamaForCausalLM"]
+        with open(config_path, "w", encoding="utf-8") as handle:
+            json.dump(config, handle)
+
+        out = os.path.join(self.tmp, "out-toy")
+        args = ["--model", model_dir, "--out", out, "--gen-tokens", "1", "--no-bf16", "--ids", IDS[0]]
+        unknown = subprocess.run([sys.executable, DUMPER] + args, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, timeout=600)
+        self.assertNotEqual(unknown.returncode, 0, unknown.stdout)
+        run_dumper(args + ["--modeling", package])
+        tensors = load_tensors(os.path.join(out, "golden.safetensors"))
+        with torch.no_grad():
+            expected = self.fresh(input_ids=tensors["seq0.input_ids"][None], use_cache=False).logits[0].float()
+        self.assertTrue(torch.equal(tensors["seq0.logits_f32"], expected))
+        reference = self.golden(out)["reference"]
+        self.assertEqual(reference["implementation"], "huggingface/transformers ToyLlamaForCausalLM")
+        self.assertEqual(reference["modeling"], package)
+
     def test_golden_json_has_the_facts_and_the_reference_block(self):
         golden = self.golden(self.out_prompts)
         tensors = load_tensors(os.path.join(self.out_prompts, "golden.safetensors"))
@@ -395,6 +457,10 @@ class ReferenceDumpTest(unittest.TestCase):
             ["--model", self.model_dir, "--out", os.path.join(self.tmp, "x"), "--ids", "1,999"],
             ["--model", self.model_dir, "--out", os.path.join(self.tmp, "x"), "--ids", "1", "--gen-prompt", "3"],
             ["--model", os.path.join(self.tmp, "nowhere"), "--out", os.path.join(self.tmp, "x"), "--ids", "1"],
+            ["--model", self.model_dir, "--out", os.path.join(self.tmp, "x"), "--ids", "1", "--no-bf16",
+             "--bf16-cast-buffers"],
+            ["--model", self.model_dir, "--out", os.path.join(self.tmp, "x"), "--ids", "1",
+             "--modeling", os.path.join(self.tmp, "nowhere")],
         ):
             result = subprocess.run([sys.executable, DUMPER] + args, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True, timeout=600)
