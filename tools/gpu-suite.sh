@@ -9,7 +9,8 @@
 #   tools/gpu-suite.sh STEP...
 #
 # Steps: kernels (kernel tests against the CPU reference), align (every golden
-# fixture, f32 and bf16), bench (the 8-layer BerryLM-OS-shaped benchmark),
+# fixture, f32 and bf16), align-pool (bf16 on tests/fixtures/bf16-pool, both of
+# its reference runs, teacher-forced), bench (the 8-layer BerryLM-OS-shaped benchmark),
 # paged (paged vs contiguous KV), invariance-paged / invariance-contiguous (the
 # serving invariance tests with paged attention on / off), template (chat
 # template and grammar-pinned tool calls), e2e (batch-1 decode end to end through
@@ -72,6 +73,7 @@ PY_LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
 export LD_LIBRARY_PATH="${CUDA_RUNTIME_LIBS:-/usr/local/cuda-13.0/targets/x86_64-linux/lib}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export BERRYLM_HOST_BIN="$BIN/mistralrs" BERRYLM_FIXTURES="$PWD/tests/fixtures"
 FIXTURES="tiny-hf small-hybrid small-hybrid-alt-layout small-hybrid-bf16 variant-a variant-b no-attnres trained-tiny"
+BF16_POOL="tiny-hf small-hybrid small-hybrid-bf16 variant-a variant-b no-attnres"
 status=0
 FLA_WHEELS="${FLA_WHEELS:-.gpu3}" FLA_DIR="${FLA_DIR:-/tmp/berrylm-fla}"
 E2E_CHECKPOINT="${E2E_CHECKPOINT:-/tmp/berrylm-os-8l}" E2E_PORT="${E2E_PORT:-18500}"
@@ -389,6 +391,14 @@ step() {
     invariance-contiguous) BERRYLM_SERVER_ARGS="--paged-attn off" \
         "$BIN/test-server_invariance" --test-threads 1 ;;
     isq) "$BIN/test-server_isq" --test-threads 1 ;;
+    align-pool)
+        for run in from-pretrained cast-buffers; do
+            for f in $BF16_POOL; do
+                "$BIN/berrylm-align" --model "tests/fixtures/$f/model" \
+                    --golden "tests/fixtures/bf16-pool/$run/$f/golden.safetensors" --dtype bf16 \
+                    --device cuda --teacher-forced-only ${OUT:+--json "$OUT/align-pool-$run-$f.json"}
+            done
+        done ;;
     scale-align-isq) scale_align_isq ;;
     template) BERRYLM_SERVER_ARGS="--paged-attn on --pa-memory-mb 1024" \
         "$BIN/test-server_chat_template" --test-threads 1 ;;
