@@ -357,6 +357,10 @@ def load_model(torch, transformers, model_dir, dtype, device, args):
         except (ValueError, TypeError, NotImplementedError) as error:
             refused = refused_implementation(implementations, str(error))
             if refused is None:
+                if unknown_architecture(str(error)):
+                    fail(f"{model_dir}: transformers {transformers.__version__} has no model of this checkpoint's type "
+                         f"({error}); give --modeling DIR (the model's package of a transformers that has it) or "
+                         f"--trust-remote-code (the checkpoint's own code)")
                 raise
             print(f"reference_dump: {refused}='eager' refused ({error}); using the model's default", file=sys.stderr)
             del implementations[refused]
@@ -379,6 +383,15 @@ def refused_implementation(implementations, message):
     if "eager" in message and "attn_implementation" in implementations:
         return "attn_implementation"
     return None
+
+
+def unknown_architecture(message):
+    """Whether a loading error says that transformers does not know the checkpoint's model type."""
+    return any(text in message for text in (
+        "does not recognize this architecture",
+        "Unrecognized configuration class",
+        "Unrecognized model",
+    ))
 
 
 def experts_implementation(model):

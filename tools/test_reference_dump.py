@@ -366,7 +366,9 @@ class ReferenceDumpTest(unittest.TestCase):
         args = ["--model", model_dir, "--out", out, "--gen-tokens", "1", "--no-bf16", "--ids", IDS[0]]
         unknown = subprocess.run([sys.executable, DUMPER] + args, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True, timeout=600)
-        self.assertNotEqual(unknown.returncode, 0, unknown.stdout)
+        self.assertEqual(unknown.returncode, 2, unknown.stdout)
+        self.assertIn("--modeling DIR", unknown.stdout)
+        self.assertNotIn("Traceback", unknown.stdout)
         run_dumper(args + ["--modeling", package])
         tensors = load_tensors(os.path.join(out, "golden.safetensors"))
         with torch.no_grad():
