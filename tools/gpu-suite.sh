@@ -10,7 +10,8 @@
 #
 # Steps: kernels (kernel tests against the CPU reference), align (every golden
 # fixture, f32 and bf16), align-pool (bf16 on tests/fixtures/bf16-pool, both of
-# its reference runs, teacher-forced), bench (the 8-layer BerryLM-OS-shaped benchmark),
+# its reference runs, teacher-forced; the two steps' JSON reports come packed in
+# $OUT/<step>-reports.tar.xz), bench (the 8-layer BerryLM-OS-shaped benchmark),
 # paged (paged vs contiguous KV), invariance-paged / invariance-contiguous (the
 # serving invariance tests with paged attention on / off), template (chat
 # template and grammar-pinned tool calls), e2e (batch-1 decode end to end through
@@ -372,17 +373,29 @@ ab_decode() {
 
 log() { if [ -n "${OUT:-}" ]; then tee -a "$OUT/$1.log"; else cat; fi; }
 
+# The JSON reports of a step (folder $1) as one file, $OUT/$2-reports.tar.xz
+# (a call brings back a few files of $OUT, not one per report); the folder is
+# removed either way.
+pack_reports() {
+    [ -n "${OUT:-}" ] && tar -C "$1" -cJf "$OUT/$2-reports.tar.xz" .
+    rm -rf "$1"
+}
+
 step() {
     case "$1" in
     kernels) "$BIN/test-cuda" --test-threads 1 ;;
     align)
+        local reports failed=0
+        reports="$(mktemp -d)"
         for dtype in f32 bf16; do
             for f in $FIXTURES; do
                 "$BIN/berrylm-align" --model "tests/fixtures/$f/model" \
                     --golden "tests/fixtures/$f/golden.safetensors" \
-                    --dtype "$dtype" --device cuda ${OUT:+--json "$OUT/align-$f-$dtype.json"}
+                    --dtype "$dtype" --device cuda --json "$reports/$f-$dtype.json" || failed=1
             done
-        done ;;
+        done
+        pack_reports "$reports" align
+        return "$failed" ;;
     bench) "$BIN/berrylm-bench" --device cuda --dtype bf16 --layers 8 \
         --prefill 512,4096,16384 --decode 1,8,64 ${OUT:+--json "$OUT/bench.json"} ;;
     paged) "$BIN/test-server_paged" --ignored --test-threads 1 ;;
@@ -392,13 +405,18 @@ step() {
         "$BIN/test-server_invariance" --test-threads 1 ;;
     isq) "$BIN/test-server_isq" --test-threads 1 ;;
     align-pool)
+        local reports failed=0
+        reports="$(mktemp -d)"
         for run in from-pretrained cast-buffers; do
+            mkdir -p "$reports/$run"
             for f in $BF16_POOL; do
                 "$BIN/berrylm-align" --model "tests/fixtures/$f/model" \
                     --golden "tests/fixtures/bf16-pool/$run/$f/golden.safetensors" --dtype bf16 \
-                    --device cuda --teacher-forced-only ${OUT:+--json "$OUT/align-pool-$run-$f.json"}
+                    --device cuda --teacher-forced-only --json "$reports/$run/$f-bf16.json" || failed=1
             done
-        done ;;
+        done
+        pack_reports "$reports" align-pool
+        return "$failed" ;;
     scale-align-isq) scale_align_isq ;;
     template) BERRYLM_SERVER_ARGS="--paged-attn on --pa-memory-mb 1024" \
         "$BIN/test-server_chat_template" --test-threads 1 ;;
