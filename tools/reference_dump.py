@@ -394,11 +394,6 @@ def unknown_architecture(message):
     ))
 
 
-def experts_implementation(model):
-    config = model.config
-    return getattr(config, "_experts_implementation", None) or getattr(config, "experts_implementation", None)
-
-
 def register_modeling(transformers, folder):
     """Imports the model package `folder` as transformers.models.<its name> and registers its configuration and
     causal-LM classes with the Auto classes (`--modeling`)."""
@@ -440,9 +435,10 @@ def modeling_source(args):
     return os.path.abspath(args.modeling) if args.modeling else None
 
 
-def attention_implementation(model):
+def implementation(model, kind):
+    """The implementation the loaded model runs for `kind` ("attn" or "experts"), as its config records it."""
     config = model.config
-    return getattr(config, "_attn_implementation", None) or getattr(config, "attn_implementation", None)
+    return getattr(config, f"_{kind}_implementation", None) or getattr(config, f"{kind}_implementation", None)
 
 
 def forward(torch, model, ids, device, hidden_states=False):
@@ -803,15 +799,15 @@ def corpus_main(args, argv):
     if largest >= embeddings:
         fail(f"token id {largest} of the corpus is outside the embedding table ({embeddings} rows)")
     f32_continuations = corpus_run(torch, model, windows, args, "f32", tensors, None)
-    attn_f32 = attention_implementation(model)
-    experts = experts_implementation(model)
+    attn_f32 = implementation(model, "attn")
+    experts = implementation(model, "experts")
     class_name = type(model).__name__
     del model
     release(torch, device)
 
     print("reference_dump: bfloat16 run", file=sys.stderr)
     model = load_model(torch, transformers, model_dir, torch.bfloat16, device, args)
-    attn_bf16 = attention_implementation(model)
+    attn_bf16 = implementation(model, "attn")
     corpus_run(torch, model, windows, args, "bf16", tensors, f32_continuations)
     del model
     release(torch, device)
@@ -943,8 +939,8 @@ def main(argv=None):
     }
     if tokenizer is not None:
         generation["text"] = tokenizer.decode(output_ids, skip_special_tokens=False)
-    attn_f32 = attention_implementation(model)
-    experts = experts_implementation(model)
+    attn_f32 = implementation(model, "attn")
+    experts = implementation(model, "experts")
     class_name = type(model).__name__
     del model
     gc.collect()
@@ -955,7 +951,7 @@ def main(argv=None):
     if not args.no_bf16:
         print("reference_dump: bfloat16 run", file=sys.stderr)
         model = load_model(torch, transformers, model_dir, torch.bfloat16, device, args)
-        attn_bf16 = attention_implementation(model)
+        attn_bf16 = implementation(model, "attn")
         for index, (ids, _) in enumerate(sequences):
             logits, _ = forward(torch, model, ids, device)
             tensors[f"seq{index}.logits_bf16"] = logits

@@ -8,6 +8,7 @@ use std::path::Path;
 use std::process::Command;
 
 use anyhow::{Context, Result};
+use berrylm_align::stats::argmax;
 use berrylm_tests::{
     align_binary, count, fixtures_dir, number, run_successfully, Fixture, FIXTURES,
 };
@@ -282,20 +283,6 @@ fn bf16_reproduces_the_reference_bf16_run_on_the_pool() -> Result<()> {
     }
     std::fs::remove_dir_all(&out)?;
     Ok(())
-}
-
-/// Index of the largest entry (the first of equal ones).
-fn argmax(row: &[f32]) -> usize {
-    row.iter()
-        .enumerate()
-        .fold((0, f32::NEG_INFINITY), |best, (i, &x)| {
-            if x > best.1 {
-                (i, x)
-            } else {
-                best
-            }
-        })
-        .0
 }
 
 /// Runs `berrylm-align` on the vendored corpus-protocol file
