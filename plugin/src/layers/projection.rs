@@ -243,14 +243,31 @@ impl HostLayer {
                     None => y,
                 }
             }
-            _ => self
-                .layer
-                .forward_autocast(&berrylm_kernels::contiguous(&rows)?)?,
+            _ => self.host_forward(&berrylm_kernels::contiguous(&rows)?)?,
         };
         if let Some(last) = dims.last_mut() {
             *last = self.out_dim;
         }
         y.reshape(dims)
+    }
+
+    /// `x` `[rows, in]` through the host's quantized matmul. candle's CPU
+    /// backend has no bf16 matmul, and the host's layers without an
+    /// activation dtype of their own (AFQ, FP8, F8Q8) dequantize into the
+    /// activations' dtype: on the CPU they take bf16 rows widened to f32 and
+    /// their output is rounded back once, as BerryLM's full-precision
+    /// projections compute bf16 there (`ops`).
+    fn host_forward(&self, x: &Tensor) -> Result<Tensor> {
+        if x.dtype() == DType::BF16
+            && x.device().is_cpu()
+            && self.layer.quantized_act_type().is_none()
+        {
+            return self
+                .layer
+                .forward(&x.to_dtype(DType::F32)?)?
+                .to_dtype(DType::BF16);
+        }
+        self.layer.forward_autocast(x)
     }
 
     /// The layer's weight (and bias) when the host holds it in GGUF blocks.
