@@ -171,6 +171,15 @@ impl DecodeGraphs {
         }
     }
 
+    /// Drops every graph (each key is warmed up and captured again when it
+    /// next comes): a graph reads the weights at the addresses it was
+    /// captured with, so it must go when the model's weights are replaced.
+    pub fn clear(&mut self) {
+        if let Ok(table) = self.table.get_mut() {
+            table.entries.clear();
+        }
+    }
+
     /// Decode steps replayed so far.
     pub fn replays(&self) -> u64 {
         self.table.lock().map_or(0, |table| table.clock)

@@ -217,12 +217,17 @@ impl NormalModel for BerryLmHostModel {
 /// loading or fills from a UQFF file (crate::layers::projection); the rest of
 /// the model is its residual tensors.
 impl IsqModel for BerryLmHostModel {
+    /// The host may replace any layer it is handed (`POST /re_isq`
+    /// re-quantizes the served model), so the decode graphs, which read the
+    /// weights where they were when captured, are dropped first.
     fn get_layers(
         &mut self,
     ) -> (
         Vec<(&mut Arc<dyn QuantMethod>, Option<usize>)>,
         &dyn DeviceMapper,
     ) {
+        #[cfg(feature = "cuda")]
+        self.decode_graphs.clear();
         let layers = self
             .model
             .host_layers_mut()

@@ -270,6 +270,18 @@ impl Server {
         without_ansi_escapes(&std::fs::read_to_string(&self.log).unwrap_or_default())
     }
 
+    /// Waits up to `timeout` for the log to contain `text`.
+    pub fn wait_for_log(&self, text: &str, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        while !self.log().contains(text) {
+            if Instant::now() > deadline {
+                anyhow::bail!("no {text:?} in the server's log after {timeout:?}");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Ok(())
+    }
+
     /// The largest batch the model ran so far, from its debug log.
     pub fn largest_batch(&self) -> usize {
         self.log()

@@ -10,6 +10,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use berrylm_tests::chat::{
@@ -314,6 +315,51 @@ fn a_uqff_file_from_mistralrs_quantize_serves_the_tokens_of_isq() -> Result<()> 
     };
     let server = Server::start(&fixture.model_dir, &["--dtype", "f32", "--isq", "q8_0"])?;
     assert_eq!(from_uqff, tokens_and_logprobs(&server, &chats)?);
+    Ok(())
+}
+
+/// The answers' tokens, without their log-probabilities.
+fn tokens(answers: &[Value]) -> Vec<Vec<Value>> {
+    answers
+        .iter()
+        .map(|content| {
+            content
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|token| token["token"].clone())
+                .collect()
+        })
+        .collect()
+}
+
+/// `POST /re_isq` re-quantizes the served model in place: the host hands it
+/// the layers BerryLM holds for it (q8_0 here) and quantizes them again, to
+/// q4_K, and the model answers from the new blocks: its log-probabilities
+/// move, and its greedy tokens are those of a server re-quantized the same
+/// way without paged attention (on CUDA, in bf16, the first server replays
+/// decode steps from CUDA graphs, which read the weights where they were when
+/// captured; the second runs every step eagerly).
+#[test]
+fn re_isq_quantizes_the_served_model_again() -> Result<()> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let chats = golden_chats(&fixture)?;
+    let requantized = |args: &[&str]| -> Result<(Vec<Value>, Vec<Value>)> {
+        let server = Server::start(&fixture.model_dir, args)?;
+        let before = tokens_and_logprobs(&server, &chats)?;
+        let (status, response) = server.post_raw("/re_isq", r#"{"ggml_type": "q4k"}"#)?;
+        anyhow::ensure!(status == 200, "POST /re_isq: HTTP {status}: {response}");
+        server.wait_for_log("Finished quantization pass", Duration::from_secs(120))?;
+        let after = tokens_and_logprobs(&server, &chats)?;
+        Ok((before, after))
+    };
+    let (q8_0, q4k) = requantized(&["--dtype", "bf16", "--isq", "q8_0"])?;
+    assert_ne!(
+        q8_0, q4k,
+        "the log-probabilities of q8_0 after re-quantizing to q4k"
+    );
+    let (_, q4k_eager) = requantized(&["--dtype", "bf16", "--isq", "q8_0", "--paged-attn", "off"])?;
+    assert_eq!(tokens(&q4k), tokens(&q4k_eager));
     Ok(())
 }
 
