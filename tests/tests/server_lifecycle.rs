@@ -5,7 +5,7 @@
 //! non-streamed requests whose client hangs up before the answer. Afterwards
 //! every recurrent slot is free again (the plugin logs the pool's occupancy at
 //! each forward) and resident memory is back to where it was after the
-//! warm-up.
+//! warm-up. And the model answers after the host unloads and reloads it.
 
 use std::io::Read;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -340,5 +340,45 @@ fn clients_hanging_up_before_their_answer_disturb_no_one_and_free_their_slots() 
 fn memory_returns_to_the_warm_up_level_after_a_churn_with_prefix_caching() -> Result<()> {
     let churn = churn(&[], &COMPLETED_AND_ABANDONED)?;
     assert_memory_returned(&churn);
+    Ok(())
+}
+
+/// The host's model management on the server's one model: after `POST
+/// /v1/models/unload` a request for the default model reloads it and is
+/// answered, and after an unload and `POST /v1/models/reload` too, each time
+/// with the greedy text of before. In mistral.rs 0.8.1 unloading the last
+/// model left the server without a default, so every later request for the
+/// default failed (HTTP 500, `EnginePoisoned`), reload or not.
+#[test]
+fn the_model_answers_after_it_is_unloaded_and_reloaded() -> Result<()> {
+    const PROMPT: &str = "What is 2 + 3?";
+    let server = Server::start(&fixtures_dir().join("trained-tiny/model"), &[])?;
+    let expected = server.complete(PROMPT, 16)?;
+    let (_, models) = server.get("/v1/models")?;
+    // The list names the default alias first, then the model with its status.
+    let id = models["data"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|model| model["status"] == "loaded")
+        .and_then(|model| model["id"].as_str())
+        .with_context(|| format!("no loaded model in {models}"))?
+        .to_string();
+    let manage = |operation: &str, status: &str| -> Result<()> {
+        let (code, response) = server.post(
+            &format!("/v1/models/{operation}"),
+            &serde_json::json!({ "model_id": id }),
+        )?;
+        ensure!(code == 200, "{operation}: HTTP {code}: {response}");
+        ensure!(response["status"] == status, "{operation}: {response}");
+        Ok(())
+    };
+
+    manage("unload", "unloaded")?;
+    assert_eq!(server.complete(PROMPT, 16)?, expected, "after an unload");
+    manage("status", "loaded")?;
+    manage("unload", "unloaded")?;
+    manage("reload", "loaded")?;
+    assert_eq!(server.complete(PROMPT, 16)?, expected, "after a reload");
     Ok(())
 }
