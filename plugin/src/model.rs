@@ -365,6 +365,25 @@ impl BerryLm {
         layer_outputs: Option<&mut Vec<Tensor>>,
     ) -> Result<Tensor> {
         self.check_batch(batch, paged.is_some())?;
+        let step_slots = self.take_step_slots(batch, cache)?;
+        let hidden = self.forward_hidden_on_slots(batch, cache, paged, flash_params, layer_outputs);
+        if let Some(step_slots) = step_slots {
+            for slot in step_slots {
+                cache.free_seq(slot);
+            }
+            cache.set_state_indices(None);
+        }
+        hidden
+    }
+
+    fn forward_hidden_on_slots(
+        &self,
+        batch: &ForwardBatch<'_>,
+        cache: &mut HybridCache,
+        paged: Option<PagedKv<'_>>,
+        flash_params: &FlashParams,
+        layer_outputs: Option<&mut Vec<Tensor>>,
+    ) -> Result<Tensor> {
         let slots = self.recurrent_slots(cache, batch.seqlen_offsets.len())?;
         let inputs = self.step_inputs(batch)?;
         let mask = self.causal_mask(batch, inputs.embedded.dtype(), paged.as_ref())?;
@@ -382,6 +401,49 @@ impl BerryLm {
             advance_recurrent_offsets(cache, &slots.host, batch);
         }
         Ok(hidden)
+    }
+
+    /// Without the host's recurrent state slots (`--no-kv-cache`: the host
+    /// keeps no state and every step recomputes each sequence from its first
+    /// token), a batch that starts every row at position 0 runs on slots
+    /// taken for this step, zeroed, and freed after it; returns them.
+    fn take_step_slots(
+        &self,
+        batch: &ForwardBatch<'_>,
+        cache: &mut HybridCache,
+    ) -> Result<Option<Vec<usize>>> {
+        if cache.state_indices().is_some()
+            || !self.cfg.layer_types.contains(&LayerKind::LinearAttention)
+            || batch.seqlen_offsets.iter().any(|offset| *offset != 0)
+        {
+            return Ok(None);
+        }
+        let mut slots = Vec::with_capacity(batch.seqlen_offsets.len());
+        let mut take = || -> Result<Tensor> {
+            for _ in batch.seqlen_offsets {
+                let slot = cache.allocate_seq().ok_or_else(|| {
+                    candle_core::Error::Msg(
+                        "BerryLM forward: no recurrent state slot is free".into(),
+                    )
+                })?;
+                slots.push(slot);
+                cache.reset_seq(slot)?;
+            }
+            let indices: Vec<u32> = slots.iter().map(|slot| *slot as u32).collect();
+            Tensor::new(indices.as_slice(), &self.device)
+        };
+        match take() {
+            Ok(indices) => {
+                cache.set_state_indices(Some(indices));
+                Ok(Some(slots))
+            }
+            Err(error) => {
+                for slot in slots {
+                    cache.free_seq(slot);
+                }
+                Err(error)
+            }
+        }
     }
 
     /// Fails unless `batch`'s per-row lists match its rows and, without

@@ -114,6 +114,24 @@ pub fn arguments(call_arguments: &Value) -> Value {
     serde_json::from_str(call_arguments.as_str().unwrap_or("null")).unwrap_or(Value::Null)
 }
 
+/// An answer of [`chat_answer`] as two runs of one model must agree on: its
+/// reasoning, content, tool calls with their arguments parsed (call ids are
+/// random) and finish reason.
+pub fn comparable(message: &Value, finish_reason: &str) -> Value {
+    let calls: Vec<Value> = message["tool_calls"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|call| json!({"name": call["name"], "arguments": arguments(&call["arguments"])}))
+        .collect();
+    json!({
+        "reasoning_content": message["reasoning_content"],
+        "content": message["content"],
+        "tool_calls": calls,
+        "finish_reason": finish_reason,
+    })
+}
+
 /// An assistant message's `reasoning_content`, trimmed (`None` when it has
 /// none).
 pub fn reasoning(message: &Value) -> Option<&str> {

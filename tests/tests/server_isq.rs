@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use berrylm_tests::chat::{
-    arguments, assert_golden_weather_call, chat_answer, golden_chat_request,
+    assert_golden_weather_call, chat_answer, comparable, golden_chat_request,
 };
 use berrylm_tests::server::Server;
 use berrylm_tests::{host_binary, Fixture};
@@ -121,22 +121,6 @@ fn golden_chats(fixture: &Fixture) -> Result<Vec<(String, Value)>> {
         }
     }
     Ok(chats)
-}
-
-/// An answer with its tool calls' arguments parsed (call ids are random).
-fn comparable(message: &Value, finish_reason: &str) -> Value {
-    let calls: Vec<Value> = message["tool_calls"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|call| json!({"name": call["name"], "arguments": arguments(&call["arguments"])}))
-        .collect();
-    json!({
-        "reasoning_content": message["reasoning_content"],
-        "content": message["content"],
-        "tool_calls": calls,
-        "finish_reason": finish_reason,
-    })
 }
 
 fn answers(server: &Server, chats: &[(String, Value)]) -> Result<Vec<Value>> {

@@ -1,9 +1,10 @@
 //! Host options BerryLM cannot honour fail at load, naming the option,
-//! instead of being ignored.
+//! instead of being ignored; the others change nothing in its answers.
 
-use anyhow::Result;
-use berrylm_tests::fixtures_dir;
+use anyhow::{Context, Result};
+use berrylm_tests::chat::{chat_answer, comparable, golden_chat_request};
 use berrylm_tests::server::Server;
+use berrylm_tests::{fixtures_dir, Fixture};
 
 /// Starts the bundled model with `args`, which must fail at load with an
 /// error naming `option`.
@@ -59,4 +60,32 @@ fn a_calibration_file_is_refused_at_load() -> Result<()> {
 #[ignore = "needs a CUDA build of the host and a GPU; run on the GPU machine"]
 fn a_device_map_over_several_devices_is_refused_at_load() -> Result<()> {
     assert_refused(&["--device-layers", "0:4"], "`--device-layers`")
+}
+
+/// `--no-kv-cache`: the host keeps no cache and every step recomputes each
+/// sequence from its first token, without recurrent state slots; the
+/// recurrent layers then run on slots taken for the step. The golden chats
+/// (reasoning, tool calls, final answers) get the greedy answers of the
+/// cached server, streamed and not.
+#[test]
+fn without_a_kv_cache_the_golden_chats_get_the_cached_answers() -> Result<()> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let sequences = fixture.facts["sequences"]
+        .as_array()
+        .context("golden sequences")?;
+    let answers = |args: &[&str]| -> Result<Vec<serde_json::Value>> {
+        let server = Server::start(&fixture.model_dir, args)?;
+        let mut answers = Vec::new();
+        for sequence in sequences {
+            for stream in [false, true] {
+                let (message, finish_reason) =
+                    chat_answer(&server, &golden_chat_request(sequence, 64, stream)?)?;
+                answers.push(comparable(&message, &finish_reason));
+            }
+        }
+        Ok(answers)
+    };
+    let cached = answers(&["--dtype", "f32"])?;
+    assert_eq!(answers(&["--dtype", "f32", "--no-kv-cache"])?, cached);
+    Ok(())
 }
