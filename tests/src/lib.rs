@@ -180,3 +180,19 @@ pub fn host_binary() -> Result<PathBuf> {
 pub fn align_binary() -> Result<PathBuf> {
     workspace_binary("berrylm-align")
 }
+
+/// The checkpoint's tensors the model reads: name and element count.
+pub fn checkpoint_tensors(model_dir: &Path) -> Result<Vec<(String, usize)>> {
+    let files: Vec<PathBuf> = std::fs::read_dir(model_dir)?
+        .filter_map(|entry| entry.ok().map(|entry| entry.path()))
+        .filter(|path| path.extension().is_some_and(|ext| ext == "safetensors"))
+        .collect();
+    // SAFETY: the fixture files are not modified while they are mapped.
+    let tensors = unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files)? };
+    Ok(tensors
+        .tensors()
+        .into_iter()
+        .filter(|(name, _)| !name.starts_with("mtp."))
+        .map(|(name, view)| (name, view.shape().iter().product()))
+        .collect())
+}

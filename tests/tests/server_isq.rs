@@ -17,7 +17,7 @@ use berrylm_tests::chat::{
     assert_golden_weather_call, chat_answer, comparable, golden_chat_request,
 };
 use berrylm_tests::server::Server;
-use berrylm_tests::{host_binary, Fixture};
+use berrylm_tests::{checkpoint_tensors, host_binary, Fixture};
 use candle_core::quantized::GgmlDType;
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device};
@@ -46,22 +46,6 @@ fn quantized_by_default(name: &str) -> bool {
         [.., "shared_expert", _, _] => true,
         _ => parts.contains(&"experts"),
     }
-}
-
-/// The checkpoint's tensors the model reads: name and element count.
-fn checkpoint_tensors(model_dir: &Path) -> Result<Vec<(String, usize)>> {
-    let files: Vec<PathBuf> = std::fs::read_dir(model_dir)?
-        .filter_map(|entry| entry.ok().map(|entry| entry.path()))
-        .filter(|path| path.extension().is_some_and(|ext| ext == "safetensors"))
-        .collect();
-    // SAFETY: the fixture files are not modified while they are mapped.
-    let tensors = unsafe { MmapedSafetensors::multi(&files)? };
-    Ok(tensors
-        .tensors()
-        .into_iter()
-        .filter(|(name, _)| !name.starts_with("mtp."))
-        .map(|(name, view)| (name, view.shape().iter().product()))
-        .collect())
 }
 
 /// Projections the host quantizes per the config: `(default, moqe)`. An
