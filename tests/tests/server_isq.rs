@@ -8,7 +8,7 @@
 //! as `--isq q8_0`. And every projection quantized while loading hands out
 //! its GGUF blocks, which BerryLM's CUDA kernels read in place.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
