@@ -131,9 +131,15 @@ impl NormalModel for BerryLmHostModel {
                 return Ok(logits);
             }
         }
+        // Under `--no-kv-cache` the host gives no recurrent state slots.
+        let step_slots = self.model.take_step_slots(&batch, &mut cache)?;
         let hidden = self
             .model
-            .forward_hidden(&batch, &mut cache, paged, flash_params, None)?;
+            .forward_hidden(&batch, &mut cache, paged, flash_params, None);
+        if let Some(slots) = step_slots {
+            BerryLm::free_step_slots(&mut cache, slots);
+        }
+        let hidden = hidden?;
         drop(cache);
         // A decode step's logits are every row's one token's.
         if seq_len == 1 {

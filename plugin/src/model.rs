@@ -365,25 +365,6 @@ impl BerryLm {
         layer_outputs: Option<&mut Vec<Tensor>>,
     ) -> Result<Tensor> {
         self.check_batch(batch, paged.is_some())?;
-        let step_slots = self.take_step_slots(batch, cache)?;
-        let hidden = self.forward_hidden_on_slots(batch, cache, paged, flash_params, layer_outputs);
-        if let Some(step_slots) = step_slots {
-            for slot in step_slots {
-                cache.free_seq(slot);
-            }
-            cache.set_state_indices(None);
-        }
-        hidden
-    }
-
-    fn forward_hidden_on_slots(
-        &self,
-        batch: &ForwardBatch<'_>,
-        cache: &mut HybridCache,
-        paged: Option<PagedKv<'_>>,
-        flash_params: &FlashParams,
-        layer_outputs: Option<&mut Vec<Tensor>>,
-    ) -> Result<Tensor> {
         let slots = self.recurrent_slots(cache, batch.seqlen_offsets.len())?;
         let inputs = self.step_inputs(batch)?;
         let mask = self.causal_mask(batch, inputs.embedded.dtype(), paged.as_ref())?;
@@ -406,8 +387,9 @@ impl BerryLm {
     /// Without the host's recurrent state slots (`--no-kv-cache`: the host
     /// keeps no state and every step recomputes each sequence from its first
     /// token), a batch that starts every row at position 0 runs on slots
-    /// taken for this step, zeroed, and freed after it; returns them.
-    fn take_step_slots(
+    /// taken for this step and zeroed: returns them, for
+    /// [`BerryLm::free_step_slots`] after the forward.
+    pub(crate) fn take_step_slots(
         &self,
         batch: &ForwardBatch<'_>,
         cache: &mut HybridCache,
@@ -444,6 +426,14 @@ impl BerryLm {
                 Err(error)
             }
         }
+    }
+
+    /// Frees the slots of [`BerryLm::take_step_slots`].
+    pub(crate) fn free_step_slots(cache: &mut HybridCache, slots: Vec<usize>) {
+        for slot in slots {
+            cache.free_seq(slot);
+        }
+        cache.set_state_indices(None);
     }
 
     /// Fails unless `batch`'s per-row lists match its rows and, without
