@@ -9,6 +9,8 @@ pub enum BerryLmError {
     InvalidConfig { field: String, message: String },
     #[error("checkpoint tensor `{name}`: {message}")]
     Weight { name: String, message: String },
+    #[error("LoRA adapter for `{module}`: {message}")]
+    Lora { module: String, message: String },
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }

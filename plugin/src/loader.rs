@@ -31,6 +31,26 @@ pub struct BerryLmLoader {
     pub output_parser: String,
 }
 
+/// Logs how many projections the host's LoRA adapters (`--lora`) were merged
+/// into; fails when adapters were given and none of them applies to a
+/// BerryLM projection, rather than serving the model without them.
+fn report_lora_adapters(weights: &Weights) -> Result<()> {
+    let adapters = mistralrs_quant::get_applied_loras().len();
+    if adapters == 0 {
+        return Ok(());
+    }
+    let merged = weights.lora_merges();
+    if merged == 0 {
+        anyhow::bail!(
+            "BerryLM: none of the {adapters} LoRA adapter(s) given (--lora) holds weights for a \
+             projection its target_modules name (e.g. `model.layers.0.linear_attn.in_proj_qkv`); \
+             BerryLM merges adapters into its projections only, not into the stacked routed experts"
+        );
+    }
+    tracing::info!("BerryLM: LoRA adapters (--lora) merged into {merged} projections");
+    Ok(())
+}
+
 impl NormalModelLoader for BerryLmLoader {
     fn load(
         &self,
@@ -48,6 +68,7 @@ impl NormalModelLoader for BerryLmLoader {
         let weights = Weights::new(vb.set_device(device)).with_host_filling_withheld(loading_isq);
         let paged = matches!(attention_mechanism, AttentionImplementation::PagedAttention);
         let mut model = BerryLm::load(cfg, &weights, paged)?;
+        report_lora_adapters(&weights)?;
         log_quantization(&mut model, loading_isq)?;
         let cfg = model.config();
         let kda_layers = cfg.num_hidden_layers - cfg.num_full_attention_layers();

@@ -1,6 +1,8 @@
 //! Reading tensors from the checkpoint with errors that name the tensor.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Shape, Tensor};
 use mistralrs_quant::{ShardedSafeTensors, ShardedVarBuilder};
@@ -15,6 +17,9 @@ pub struct Weights {
     /// withholds (loading from UQFF: the quantized projections are in the UQFF
     /// file, not in the checkpoint).
     host_fills_withheld: bool,
+    /// Projections of this load with a LoRA adapter merged in, counted
+    /// across every view of it.
+    lora_merges: Arc<AtomicUsize>,
 }
 
 impl Weights {
@@ -22,6 +27,7 @@ impl Weights {
         Weights {
             vb,
             host_fills_withheld: false,
+            lora_merges: Arc::new(AtomicUsize::new(0)),
         }
     }
 
@@ -50,6 +56,7 @@ impl Weights {
                 root.pp(prefix)
             },
             host_fills_withheld: self.host_fills_withheld,
+            lora_merges: self.lora_merges.clone(),
         }
     }
 
@@ -57,6 +64,7 @@ impl Weights {
         Weights {
             vb: self.vb.pp(name),
             host_fills_withheld: self.host_fills_withheld,
+            lora_merges: self.lora_merges.clone(),
         }
     }
 
@@ -65,6 +73,7 @@ impl Weights {
         Weights {
             vb: self.vb.clone().set_device(Device::Cpu),
             host_fills_withheld: self.host_fills_withheld,
+            lora_merges: self.lora_merges.clone(),
         }
     }
 
@@ -128,6 +137,81 @@ impl Weights {
                     other => other.to_string(),
                 },
             })
+    }
+
+    /// This module's projection weight `[out_dim, in_dim]` with the host's
+    /// LoRA adapters (`--lora`) merged in, as the host merges them into its
+    /// own linear layers while loading: `W + (alpha / r) B A` for each
+    /// adapter whose `target_modules` (a regex of their alternation) match
+    /// the module's name, its `lora_A` `[r, in_dim]` and `lora_B`
+    /// `[out_dim, r]` read under that name or under PEFT's
+    /// `base_model.model.` before it (a module the adapter holds neither for
+    /// is left as it is). The sum is taken in f32 and rounded to the weight's
+    /// dtype once.
+    pub fn projection_weight(&self, out_dim: usize, in_dim: usize) -> Result<Tensor> {
+        let weight = self.get((out_dim, in_dim), "weight")?;
+        let module = self.vb.prefix();
+        let lora_error = |message: String| BerryLmError::Lora {
+            module: module.clone(),
+            message,
+        };
+        let mut merged: Option<Tensor> = None;
+        for adapter in mistralrs_quant::get_applied_loras() {
+            let targets = adapter
+                .config
+                .target_modules
+                .iter()
+                .map(String::as_str)
+                .collect::<Vec<_>>()
+                .join("|");
+            let pattern = regex::Regex::new(&targets)
+                .map_err(|error| lora_error(format!("target_modules `{targets}`: {error}")))?;
+            if !pattern.is_match(&module) {
+                continue;
+            }
+            let peft = adapter.weights.pp("base_model.model").pp(&module);
+            let plain = adapter.weights.pp(&module);
+            let tensors = if peft.contains_tensor("lora_A.weight") {
+                peft
+            } else if plain.contains_tensor("lora_A.weight") {
+                plain
+            } else {
+                // A module the adapter did not adapt: the routed experts
+                // BerryLM reads one by one from their stacked tensors.
+                continue;
+            };
+            let rank = adapter.config.rank;
+            let read = |shape: (usize, usize), name: &str| {
+                tensors
+                    .get(shape, name)
+                    .and_then(|tensor| tensor.to_device(weight.device())?.to_dtype(DType::F32))
+                    .map_err(|error| lora_error(format!("{name}: {error}")))
+            };
+            let a = read((rank, in_dim), "lora_A.weight")?;
+            let b = read((out_dim, rank), "lora_B.weight")?;
+            let scale = if rank > 0 {
+                adapter.config.alpha / rank as f64
+            } else {
+                1.0
+            };
+            let base = match merged.take() {
+                Some(sum) => sum,
+                None => weight.to_dtype(DType::F32)?,
+            };
+            merged = Some((base + (b.matmul(&a)? * scale)?)?);
+        }
+        match merged {
+            Some(sum) => {
+                self.lora_merges.fetch_add(1, Ordering::Relaxed);
+                Ok(sum.to_dtype(weight.dtype())?)
+            }
+            None => Ok(weight),
+        }
+    }
+
+    /// How many projections of this load have a LoRA adapter merged in.
+    pub fn lora_merges(&self) -> usize {
+        self.lora_merges.load(Ordering::Relaxed)
     }
 
     /// The tensor `name` if the checkpoint has it.

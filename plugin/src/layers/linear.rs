@@ -45,7 +45,7 @@ impl Linear {
         with_bias: bool,
     ) -> crate::error::Result<Linear> {
         let module = weights.pp(name);
-        let weight = module.get((out_dim, in_dim), "weight")?;
+        let weight = module.projection_weight(out_dim, in_dim)?;
         let bias = if with_bias {
             Some(module.get(out_dim, "bias")?)
         } else {

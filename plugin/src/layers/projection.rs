@@ -140,22 +140,21 @@ impl HostLayer {
             } else {
                 weights.clone()
             };
-            let read = |name: &str| -> crate::error::Result<Vec<Tensor>> {
-                specs
-                    .iter()
-                    .map(|spec| {
-                        let shape: Vec<usize> = if name == "weight" {
-                            vec![spec.out_dim, spec.in_dim]
-                        } else {
-                            vec![spec.out_dim]
-                        };
-                        source.pp(spec.name).get(shape, name)
-                    })
-                    .collect()
-            };
-            let weight = Tensor::cat(&read("weight")?, 0)?;
+            let weights = specs
+                .iter()
+                .map(|spec| {
+                    source
+                        .pp(spec.name)
+                        .projection_weight(spec.out_dim, spec.in_dim)
+                })
+                .collect::<crate::error::Result<Vec<_>>>()?;
+            let weight = Tensor::cat(&weights, 0)?;
             let bias = if bias {
-                Some(Tensor::cat(&read("bias")?, 0)?)
+                let biases = specs
+                    .iter()
+                    .map(|spec| source.pp(spec.name).get(spec.out_dim, "bias"))
+                    .collect::<crate::error::Result<Vec<_>>>()?;
+                Some(Tensor::cat(&biases, 0)?)
             } else {
                 None
             };
