@@ -15,7 +15,7 @@ use berrylm_tests::chat::golden_chat_request;
 use berrylm_tests::server::Server;
 use berrylm_tests::{fixtures_dir, Fixture};
 use candle_core::{DType, Device, Tensor};
-use serde_json::{json, Value};
+use serde_json::json;
 
 const RANK: usize = 4;
 const ALPHA: f64 = 8.0;
@@ -182,7 +182,7 @@ fn a_lora_adapter_serves_as_its_merged_checkpoint() -> Result<()> {
     drop(server);
 
     // An adapter for modules BerryLM does not have is refused, naming --lora.
-    std::fs::remove_dir_all(&temp.0.join("hub"))?;
+    std::fs::remove_dir_all(temp.0.join("hub"))?;
     write_adapter(&temp.0.join("hub"), &["no_such_proj"], &adapter)?;
     let Err(error) = Server::start_with_environment(
         &model_dir,
