@@ -220,6 +220,23 @@ fn bad_plain_completions_get_a_4xx_naming_the_problem() -> Result<()> {
     assert_still_serving(&mut server, &fixture, &before)
 }
 
+/// An embeddings request to the text model is the client's error, a 4xx
+/// naming the endpoint (mistral.rs 0.8.1 answered it with a 500, "Received a
+/// request incompatible for this model's category").
+#[test]
+fn an_embeddings_request_to_the_text_model_is_a_client_error() -> Result<()> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let mut server = start(&fixture)?;
+    let before = normal_answer(&server, &fixture)?;
+    server.assert_rejected(
+        "/v1/embeddings",
+        r#"{"model": "default", "input": "Hello"}"#,
+        "/v1/embeddings needs an embedding model",
+        "an embeddings request",
+    )?;
+    assert_still_serving(&mut server, &fixture, &before)
+}
+
 #[test]
 fn a_negative_temperature_is_rejected() -> Result<()> {
     rejected_alone(
