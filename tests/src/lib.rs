@@ -196,3 +196,24 @@ pub fn checkpoint_tensors(model_dir: &Path) -> Result<Vec<(String, usize)>> {
         .map(|(name, view)| (name, view.shape().iter().product()))
         .collect())
 }
+
+/// A folder in the system's temporary folder, named `{name}-{pid}` (emptied
+/// first), removed when dropped.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(name: &str) -> Result<TempDir> {
+        let path = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
+        if path.exists() {
+            std::fs::remove_dir_all(&path)?;
+        }
+        std::fs::create_dir_all(&path)?;
+        Ok(TempDir(path))
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}

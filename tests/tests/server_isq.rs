@@ -8,7 +8,6 @@
 //! as `--isq q8_0`. And every projection quantized while loading hands out
 //! its GGUF blocks, which BerryLM's CUDA kernels read in place.
 
-use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
@@ -17,7 +16,7 @@ use berrylm_tests::chat::{
     assert_golden_weather_call, chat_answer, comparable, golden_chat_request,
 };
 use berrylm_tests::server::Server;
-use berrylm_tests::{checkpoint_tensors, host_binary, Fixture};
+use berrylm_tests::{checkpoint_tensors, host_binary, Fixture, TempDir};
 use candle_core::quantized::GgmlDType;
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device};
@@ -189,26 +188,6 @@ fn moqe_quantizes_the_experts_and_the_lm_head_only() -> Result<()> {
     let (message, finish_reason) = chat_answer(&server, &weather)?;
     assert_golden_weather_call(&message, &finish_reason);
     Ok(())
-}
-
-/// A folder under the system's temporary folder, removed when dropped.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> Result<TempDir> {
-        let path = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
-        if path.exists() {
-            std::fs::remove_dir_all(&path)?;
-        }
-        std::fs::create_dir_all(&path)?;
-        Ok(TempDir(path))
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 /// Greedy answers with every token's log-probability and top 3.

@@ -8,12 +8,12 @@
 //! server loaded them and answered without them.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use anyhow::{Context, Result};
 use berrylm_tests::chat::golden_chat_request;
 use berrylm_tests::server::Server;
-use berrylm_tests::{fixtures_dir, Fixture};
+use berrylm_tests::{fixtures_dir, Fixture, TempDir};
 use candle_core::{DType, Device, Tensor};
 use serde_json::json;
 
@@ -22,23 +22,6 @@ const ALPHA: f64 = 8.0;
 /// The adapter's name on the (local, offline) Hugging Face cache.
 const ADAPTER_ID: &str = "berrylm-tests/tiny-lora";
 const REVISION: &str = "0123456789abcdef0123456789abcdef01234567";
-
-/// A folder removed when dropped.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(label: &str) -> Result<TempDir> {
-        let dir = std::env::temp_dir().join(format!("berrylm-{label}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir)?;
-        Ok(TempDir(dir))
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// Every tensor of the checkpoint in `model_dir`, by name.
 fn checkpoint(model_dir: &Path) -> Result<HashMap<String, Tensor>> {
@@ -102,7 +85,7 @@ fn a_lora_adapter_serves_as_its_merged_checkpoint() -> Result<()> {
     let fixture = Fixture::load("trained-tiny")?;
     let model_dir = fixtures_dir().join("trained-tiny/model");
     let mut weights = checkpoint(&model_dir)?;
-    let temp = TempDir::new("lora")?;
+    let temp = TempDir::new("berrylm-lora")?;
 
     // Random low-rank updates of every attention q_proj and KDA in_proj_qkv,
     // and the checkpoint with them merged.
