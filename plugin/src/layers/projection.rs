@@ -140,7 +140,7 @@ impl HostLayer {
             } else {
                 weights.clone()
             };
-            let weights = specs
+            let rows = specs
                 .iter()
                 .map(|spec| {
                     source
@@ -148,7 +148,7 @@ impl HostLayer {
                         .projection_weight(spec.out_dim, spec.in_dim)
                 })
                 .collect::<crate::error::Result<Vec<_>>>()?;
-            let weight = Tensor::cat(&weights, 0)?;
+            let weight = Tensor::cat(&rows, 0)?;
             let bias = if bias {
                 let biases = specs
                     .iter()
