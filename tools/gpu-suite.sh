@@ -28,7 +28,9 @@
 # between them, the sweep at concurrency 64 unless $SCALE_ISQ_SWEEP is 0),
 # scale-align-isq (that checkpoint quantized to each type of $SCALE_ISQ,
 # teacher-forced against the unquantized bf16 model over 3000 positions), isq (the ISQ and UQFF
-# serving tests on the GPU), scale-ttft (the time to first token of single
+# serving tests on the GPU), options (the host's options on the GPU: --no-kv-cache,
+# the refused imatrix, calibration and device map), lora (a LoRA adapter against
+# its merged checkpoint), reload (the model unloaded and reloaded), scale-ttft (the time to first token of single
 # prompts of 4k to 128k tokens on that checkpoint), scale-interference (16
 # streams on that checkpoint while a
 # $SCALE_LONG_PROMPT-token prompt, default 32768, prefills), scale-soak (the
@@ -404,6 +406,9 @@ step() {
     invariance-contiguous) BERRYLM_SERVER_ARGS="--paged-attn off" \
         "$BIN/test-server_invariance" --test-threads 1 ;;
     isq) "$BIN/test-server_isq" --test-threads 1 ;;
+    options) "$BIN/test-server_options" --include-ignored --test-threads 1 ;;
+    lora) "$BIN/test-server_lora" --test-threads 1 ;;
+    reload) "$BIN/test-server_lifecycle" --test-threads 1 unloaded_and_reloaded ;;
     align-pool)
         local reports failed=0
         reports="$(mktemp -d)"

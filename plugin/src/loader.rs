@@ -173,18 +173,23 @@ fn paged_attention_unsupported(cfg: &BerryLmConfig) -> Option<String> {
 /// would quantize after loading the whole checkpoint (an imatrix, per-layer
 /// ISQ types of a topology) is refused: BerryLM's projections are the host's
 /// layers only when it quantizes them while loading (`--isq`) or fills them
-/// from a UQFF file.
+/// from a UQFF file. What tells is whether the checkpoint withheld layers for
+/// the host to fill, not whether the host holds any: on CUDA the stacked
+/// experts are the host's layers whenever it quantizes, in full precision
+/// until then.
 fn log_quantization(model: &mut BerryLm, loading_isq: bool) -> Result<()> {
-    let Some(report) = QuantizationReport::of(model)? else {
-        anyhow::ensure!(
-            !loading_isq,
-            "BerryLM cannot be quantized after loading (an imatrix file, `--imatrix`, or \
-             per-layer ISQ types in a `--topology`): quantize it while loading (`--isq TYPE`) \
-             or load a UQFF file (`--from-uqff`)"
-        );
+    let report = QuantizationReport::of(model)?;
+    let filled_from_uqff = report.as_ref().is_some_and(|report| report.withheld > 0);
+    anyhow::ensure!(
+        !loading_isq || filled_from_uqff,
+        "BerryLM cannot be quantized after loading (an imatrix file, `--imatrix`, or \
+         per-layer ISQ types in a `--topology`): quantize it while loading (`--isq TYPE`) \
+         or load a UQFF file (`--from-uqff`)"
+    );
+    let Some(report) = report else {
         return Ok(());
     };
-    if report.withheld > 0 {
+    if filled_from_uqff {
         tracing::info!(
             "BerryLM: {} of its {} quantizable projections come from the UQFF file",
             report.withheld,

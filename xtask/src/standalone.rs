@@ -13,9 +13,10 @@ pub const TOOLS: [&str; 3] = ["mistralrs", "berrylm-align", "berrylm-bench"];
 /// against their CPU reference, and the serving tests (paged attention is
 /// only on in CUDA builds; device errors are injected there; quantized
 /// experts run in the host's indexed kernels there; device maps are refused
-/// only where there is a GPU to map to), and decode graphs against the eager
-/// forward.
-pub const TESTS: [&str; 9] = [
+/// only where there is a GPU to map to; LoRA merges, unloading and reloading
+/// go through the CUDA model's own buffers and decode graphs), and decode
+/// graphs against the eager forward.
+pub const TESTS: [&str; 11] = [
     "cuda",
     "server_invariance",
     "server_paged",
@@ -24,6 +25,8 @@ pub const TESTS: [&str; 9] = [
     "server_model_errors",
     "server_isq",
     "server_options",
+    "server_lora",
+    "server_lifecycle",
     "decode_graphs",
 ];
 
