@@ -2328,6 +2328,18 @@ fn moe_block_decode_matches_cpu_at_model_widths() -> Result<()> {
     )
 }
 
+/// The bundled model's widths (`trained-tiny`: 8 experts, top-2, hidden 256,
+/// expert and shared expert width 128), which the served bf16 model decodes
+/// with: a decode step, a batch of 4 and a 17-token prompt (routed rows that
+/// still stream).
+#[test]
+fn moe_block_decode_matches_cpu_at_the_bundled_models_widths() -> Result<()> {
+    for (seed, tokens) in [(2730, 1), (2731, 4), (2732, 17)] {
+        moe_block_case(seed, tokens, [8, 2, 256, 128, 128], DType::BF16, true)?;
+    }
+    Ok(())
+}
+
 /// Widths that are no multiple of the 16-byte vectors (the scalar path),
 /// the shared expert wider than the routed ones and narrower, and more than
 /// 8 experts a token refused with the argument named.
