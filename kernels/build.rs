@@ -11,8 +11,18 @@
 //! Every exported symbol of the library is `extern "C"` and starts with
 //! `berrylm_`, so it cannot clash with other CUDA static libraries (such as
 //! the host's `libmistralrscuda.a`, whose symbols are unprefixed).
+//!
+//! The library carries the digest of the sources it was built from
+//! (`berrylm_sources_digest`), and `OUT_DIR/cuda_sources.rs` gives the crate
+//! the same sources as it compiles, so that a library left from another build
+//! (a stale build-script output) is refused at the first launch instead of
+//! running kernels whose arguments no longer match their bindings.
+
+#[path = "src/cuda/sources_digest.rs"]
+mod sources_digest;
 
 use std::env;
+use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -30,6 +40,7 @@ fn main() {
     let source_dir = Path::new("src/cuda");
     println!("cargo:rerun-if-changed={}", source_dir.display());
     let mut sources = Vec::new();
+    let mut all_files = Vec::new();
     for entry in std::fs::read_dir(source_dir).expect("read src/cuda") {
         let path = entry.expect("src/cuda entry").path();
         match path.extension().and_then(|e| e.to_str()) {
@@ -38,8 +49,11 @@ fn main() {
             _ => continue,
         }
         println!("cargo:rerun-if-changed={}", path.display());
+        all_files.push(path);
     }
     sources.sort();
+    all_files.sort();
+    let digest = write_source_list(&all_files, &out_dir);
 
     let cuda_home = env::var_os("CUDA_HOME")
         .or_else(|| env::var_os("CUDA_PATH"))
@@ -85,6 +99,7 @@ fn main() {
             .arg("-gencode")
             .arg(&gencode)
             .arg(&wgmma)
+            .arg(format!("-DBERRYLM_SOURCES_DIGEST={digest:#018x}ull"))
             .arg("-I")
             .arg(source_dir));
         objects.push(object);
@@ -109,6 +124,43 @@ fn main() {
     }
     println!("cargo:rustc-link-lib=dylib=cudart");
     println!("cargo:rustc-link-lib=dylib=stdc++");
+}
+
+/// The digest of `files` (`sources_digest`), and `OUT_DIR/cuda_sources.rs`:
+/// the constant `CUDA_SOURCES`, each file's name and its contents as the
+/// crate is compiled (`include_bytes!`, which also recompiles the crate when
+/// a file changes).
+fn write_source_list(files: &[PathBuf], out_dir: &Path) -> u64 {
+    let named: Vec<(String, Vec<u8>)> = files
+        .iter()
+        .map(|path| {
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            let contents = std::fs::read(path).unwrap_or_else(|e| panic!("read {path:?}: {e}"));
+            (name, contents)
+        })
+        .collect();
+    let digest = sources_digest::sources_digest(
+        named
+            .iter()
+            .map(|(name, contents)| (name.as_str(), contents.as_slice())),
+    );
+    let mut list = format!(
+        "/// The CUDA sources, by file name, as this crate was compiled.\n\
+         const CUDA_SOURCES: [(&str, &[u8]); {}] = [\n",
+        files.len()
+    );
+    for (path, (name, _)) in files.iter().zip(&named) {
+        let absolute = std::fs::canonicalize(path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
+        writeln!(
+            list,
+            "    ({name:?}, include_bytes!({:?})),",
+            absolute.display().to_string()
+        )
+        .expect("format the source list");
+    }
+    list.push_str("];\n");
+    std::fs::write(out_dir.join("cuda_sources.rs"), list).expect("write cuda_sources.rs");
+    digest
 }
 
 fn run(command: &mut Command) {

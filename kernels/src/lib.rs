@@ -137,6 +137,13 @@ pub enum KernelError {
         /// The device the tensors live on.
         device: String,
     },
+    /// The linked CUDA library was built from other sources than this crate
+    /// (a build-script output left from another build).
+    #[error(
+        "the CUDA kernel library was built from other sources than berrylm-kernels: \
+         rebuild it (touch kernels/build.rs, then build again)"
+    )]
+    StaleLibrary,
     /// An error raised by candle while reading or building tensors.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

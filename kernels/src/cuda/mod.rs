@@ -17,7 +17,7 @@
 //! writes that closure for the usual call).
 
 use std::ffi::{c_char, c_int, c_void, CStr};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::cuda_backend::cudarc::driver::{
@@ -90,6 +90,7 @@ mod quantized;
 mod recurrence;
 mod rope;
 mod route;
+mod sources_digest;
 
 pub(crate) use attn_res::{attn_res_mix, InputNorm};
 pub(crate) use contiguous::contiguous;
@@ -110,6 +111,30 @@ const DTYPE_F16: c_int = 2;
 
 extern "C" {
     fn berrylm_cuda_error_string(code: c_int) -> *const c_char;
+    fn berrylm_sources_digest() -> u64;
+}
+
+include!(concat!(env!("OUT_DIR"), "/cuda_sources.rs"));
+
+/// Fails unless the linked CUDA library was built from the sources this
+/// crate was compiled with (checked once): a library left from another
+/// build would run kernels whose arguments no longer match their bindings.
+fn library_matches_sources() -> Result<()> {
+    static MATCHES: OnceLock<bool> = OnceLock::new();
+    let matches = *MATCHES.get_or_init(|| {
+        let compiled = sources_digest::sources_digest(
+            CUDA_SOURCES
+                .iter()
+                .map(|(name, contents)| (*name, *contents)),
+        );
+        // SAFETY: returns a constant.
+        compiled == unsafe { berrylm_sources_digest() }
+    });
+    if matches {
+        Ok(())
+    } else {
+        Err(KernelError::StaleLibrary)
+    }
 }
 
 /// The kernels' dtype code of `dtype`.
@@ -182,6 +207,7 @@ impl Launch {
     /// A launch of `op` on the device of `tensor`, which must be a CUDA
     /// device.
     fn new(op: &'static str, tensor: &Tensor) -> Result<Self> {
+        library_matches_sources()?;
         let device = match tensor.device() {
             Device::Cuda(device) => device,
             other => return Err(unsupported_device(op, other)),
