@@ -39,20 +39,23 @@ fn main() {
     let out_dir = PathBuf::from(env::var("OUT_DIR").expect("OUT_DIR"));
     let source_dir = Path::new("src/cuda");
     println!("cargo:rerun-if-changed={}", source_dir.display());
-    let mut sources = Vec::new();
+    // The `.cu` and `.cuh` files, sorted; the `.cu` files are compiled.
     let mut all_files = Vec::new();
     for entry in std::fs::read_dir(source_dir).expect("read src/cuda") {
         let path = entry.expect("src/cuda entry").path();
-        match path.extension().and_then(|e| e.to_str()) {
-            Some("cu") => sources.push(path.clone()),
-            Some("cuh") => {}
-            _ => continue,
+        if matches!(
+            path.extension().and_then(|e| e.to_str()),
+            Some("cu" | "cuh")
+        ) {
+            println!("cargo:rerun-if-changed={}", path.display());
+            all_files.push(path);
         }
-        println!("cargo:rerun-if-changed={}", path.display());
-        all_files.push(path);
     }
-    sources.sort();
     all_files.sort();
+    let sources: Vec<&PathBuf> = all_files
+        .iter()
+        .filter(|path| path.extension().is_some_and(|e| e == "cu"))
+        .collect();
     let digest = write_source_list(&all_files, &out_dir);
 
     let cuda_home = env::var_os("CUDA_HOME")
@@ -86,7 +89,7 @@ fn main() {
     // No --use_fast_math: the kernels reproduce the CPU reference's rounding
     // (IEEE division/sqrt, accurate expf/log1pf/tanh, no flush to zero).
     let mut objects = Vec::new();
-    for source in &sources {
+    for source in sources {
         let stem = source.file_stem().unwrap().to_string_lossy().to_string();
         let object = out_dir.join(format!("berrylm_{stem}.o"));
         run(Command::new(&nvcc)
