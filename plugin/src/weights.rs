@@ -2,10 +2,11 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use candle_core::{DType, Device, Shape, Tensor};
-use mistralrs_quant::{ShardedSafeTensors, ShardedVarBuilder};
+use mistralrs_quant::{LoraAdapter, ShardedSafeTensors, ShardedVarBuilder};
+use regex::Regex;
 
 use crate::error::{BerryLmError, Result};
 
@@ -17,9 +18,43 @@ pub struct Weights {
     /// withholds (loading from UQFF: the quantized projections are in the UQFF
     /// file, not in the checkpoint).
     host_fills_withheld: bool,
-    /// Projections of this load with a LoRA adapter merged in, counted
-    /// across every view of it.
-    lora_merges: Arc<AtomicUsize>,
+    /// The host's LoRA adapters as this load merges them, shared by every
+    /// view of it.
+    lora: Arc<LoraMerging>,
+}
+
+/// What every view of a load shares of its LoRA merging.
+#[derive(Default)]
+struct LoraMerging {
+    /// Each adapter's `target_modules` as one regex (their alternation),
+    /// compiled at the first projection, or why one does not compile.
+    targets: OnceLock<std::result::Result<Vec<Regex>, String>>,
+    /// Projections with an adapter merged in.
+    merges: AtomicUsize,
+}
+
+impl LoraMerging {
+    /// The target regex of each of `adapters` (the load's adapters, the same
+    /// list at every call), in their order.
+    fn targets(&self, adapters: &[LoraAdapter]) -> std::result::Result<&[Regex], &str> {
+        let compiled = self.targets.get_or_init(|| {
+            adapters
+                .iter()
+                .map(|adapter| {
+                    let targets = adapter
+                        .config
+                        .target_modules
+                        .iter()
+                        .map(String::as_str)
+                        .collect::<Vec<_>>()
+                        .join("|");
+                    Regex::new(&targets)
+                        .map_err(|error| format!("target_modules `{targets}`: {error}"))
+                })
+                .collect()
+        });
+        compiled.as_deref().map_err(String::as_str)
+    }
 }
 
 impl Weights {
@@ -27,7 +62,7 @@ impl Weights {
         Weights {
             vb,
             host_fills_withheld: false,
-            lora_merges: Arc::new(AtomicUsize::new(0)),
+            lora: Arc::default(),
         }
     }
 
@@ -56,7 +91,7 @@ impl Weights {
                 root.pp(prefix)
             },
             host_fills_withheld: self.host_fills_withheld,
-            lora_merges: self.lora_merges.clone(),
+            lora: self.lora.clone(),
         }
     }
 
@@ -64,7 +99,7 @@ impl Weights {
         Weights {
             vb: self.vb.pp(name),
             host_fills_withheld: self.host_fills_withheld,
-            lora_merges: self.lora_merges.clone(),
+            lora: self.lora.clone(),
         }
     }
 
@@ -73,7 +108,7 @@ impl Weights {
         Weights {
             vb: self.vb.clone().set_device(Device::Cpu),
             host_fills_withheld: self.host_fills_withheld,
-            lora_merges: self.lora_merges.clone(),
+            lora: self.lora.clone(),
         }
     }
 
@@ -155,17 +190,16 @@ impl Weights {
             module: module.clone(),
             message,
         };
+        let adapters = mistralrs_quant::get_applied_loras();
+        if adapters.is_empty() {
+            return Ok(weight);
+        }
+        let targets = self
+            .lora
+            .targets(&adapters)
+            .map_err(|message| lora_error(message.to_string()))?;
         let mut merged: Option<Tensor> = None;
-        for adapter in mistralrs_quant::get_applied_loras() {
-            let targets = adapter
-                .config
-                .target_modules
-                .iter()
-                .map(String::as_str)
-                .collect::<Vec<_>>()
-                .join("|");
-            let pattern = regex::Regex::new(&targets)
-                .map_err(|error| lora_error(format!("target_modules `{targets}`: {error}")))?;
+        for (adapter, pattern) in adapters.iter().zip(targets) {
             if !pattern.is_match(&module) {
                 continue;
             }
@@ -202,7 +236,7 @@ impl Weights {
         }
         match merged {
             Some(sum) => {
-                self.lora_merges.fetch_add(1, Ordering::Relaxed);
+                self.lora.merges.fetch_add(1, Ordering::Relaxed);
                 Ok(sum.to_dtype(weight.dtype())?)
             }
             None => Ok(weight),
@@ -211,7 +245,7 @@ impl Weights {
 
     /// How many projections of this load have a LoRA adapter merged in.
     pub fn lora_merges(&self) -> usize {
-        self.lora_merges.load(Ordering::Relaxed)
+        self.lora.merges.load(Ordering::Relaxed)
     }
 
     /// The tensor `name` if the checkpoint has it.
