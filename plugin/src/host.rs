@@ -223,9 +223,9 @@ impl NormalModel for BerryLmHostModel {
 /// loading or fills from a UQFF file (crate::layers::projection); the rest of
 /// the model is its residual tensors.
 impl IsqModel for BerryLmHostModel {
-    /// The host may replace any layer it is handed (`POST /re_isq`
-    /// re-quantizes the served model), so the decode graphs, which read the
-    /// weights where they were when captured, are dropped first.
+    /// The host may replace any layer it is handed (as `POST /re_isq` does,
+    /// where BerryLM does not decline it), so the decode graphs, which read
+    /// the weights where they were when captured, are dropped first.
     fn get_layers(
         &mut self,
     ) -> (
@@ -241,6 +241,13 @@ impl IsqModel for BerryLmHostModel {
             .map(|(layer, index)| (layer.layer_mut(), index))
             .collect();
         (layers, &*self.mapper)
+    }
+
+    /// `POST /re_isq` is declined on CUDA: there a re-quantized BerryLM
+    /// failed its next request with an illegal address (docs/usage.md, Known
+    /// gaps), which would end every request the server holds.
+    fn re_isq_refusal(&self, device: &Device) -> Option<String> {
+        device.is_cuda().then(|| RE_ISQ_ON_CUDA.to_string())
     }
 
     /// Collecting an imatrix needs the host's layers to see every
@@ -261,6 +268,12 @@ impl IsqModel for BerryLmHostModel {
         })
     }
 }
+
+/// Why BerryLM declines `POST /re_isq` on CUDA (the host logs it as the
+/// request's failure).
+pub const RE_ISQ_ON_CUDA: &str =
+    "BerryLM is not quantized again on CUDA (POST /re_isq): the model \
+     keeps its weights; restart the server with --isq TYPE for another quantization";
 
 const CALIBRATION_UNSUPPORTED: &str = "BerryLM cannot collect an imatrix from a calibration file \
      (`--calibration-file`): quantize it without one (`--isq TYPE`)";
