@@ -271,8 +271,7 @@ impl IsqModel for BerryLmHostModel {
 
 /// Why BerryLM declines `POST /re_isq` on CUDA (the host logs it as the
 /// request's failure).
-pub const RE_ISQ_ON_CUDA: &str =
-    "BerryLM is not quantized again on CUDA (POST /re_isq): the model \
+const RE_ISQ_ON_CUDA: &str = "BerryLM is not quantized again on CUDA (POST /re_isq): the model \
      keeps its weights; restart the server with --isq TYPE for another quantization";
 
 const CALIBRATION_UNSUPPORTED: &str = "BerryLM cannot collect an imatrix from a calibration file \
