@@ -76,6 +76,16 @@ fn with_fields(mut body: serde_json::Value, extra: serde_json::Value) -> String 
     body.to_string()
 }
 
+/// The model's vocabulary size (`vocab_size` of its `config.json`).
+fn vocab_size(fixture: &Fixture) -> Result<u64> {
+    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(
+        fixture.model_dir.join("config.json"),
+    )?)?;
+    config["vocab_size"]
+        .as_u64()
+        .ok_or_else(|| anyhow::anyhow!("config.json has no vocab_size"))
+}
+
 /// Space-separated digits: at least one token each.
 fn digits(words: usize) -> String {
     (0..words)
@@ -88,6 +98,7 @@ fn digits(words: usize) -> String {
 fn bad_requests_get_a_4xx_naming_the_problem_and_the_server_keeps_serving() -> Result<()> {
     let fixture = Fixture::load("trained-tiny")?;
     let context = fixture.context_length()?;
+    let vocab_size = vocab_size(&fixture)?;
     let mut server = start(&fixture)?;
     let before = normal_answer(&server, &fixture)?;
 
@@ -163,6 +174,46 @@ fn bad_requests_get_a_4xx_naming_the_problem_and_the_server_keeps_serving() -> R
                     .collect::<Vec<_>>(),
             })),
             "129".to_string(),
+        ),
+        (
+            "top_p above 1",
+            hello(serde_json::json!({"temperature": 1.0, "top_p": 1.5})),
+            "top_p".to_string(),
+        ),
+        (
+            "top_p 0",
+            hello(serde_json::json!({"temperature": 1.0, "top_p": 0})),
+            "top_p".to_string(),
+        ),
+        (
+            "min_p above 1",
+            hello(serde_json::json!({"temperature": 1.0, "min_p": 1.5})),
+            "min_p".to_string(),
+        ),
+        (
+            "a presence penalty beyond OpenAI's 2",
+            hello(serde_json::json!({"presence_penalty": 3})),
+            "presence_penalty".to_string(),
+        ),
+        (
+            "a frequency penalty below OpenAI's -2",
+            hello(serde_json::json!({"frequency_penalty": -3})),
+            "frequency_penalty".to_string(),
+        ),
+        (
+            "a repetition penalty of 0 (the logits divided by 0)",
+            hello(serde_json::json!({"temperature": 1.0, "repetition_penalty": 0})),
+            "repetition_penalty".to_string(),
+        ),
+        (
+            "a logit bias beyond OpenAI's 100",
+            hello(serde_json::json!({"logit_bias": {"5": 150}})),
+            "logit_bias".to_string(),
+        ),
+        (
+            "a logit bias for a token the model does not have",
+            hello(serde_json::json!({"logit_bias": {vocab_size.to_string(): 1}})),
+            format!("{vocab_size} token ids"),
         ),
     ];
     for (what, body, names) in &cases {
