@@ -78,3 +78,45 @@ fn serves_a_checkpoint_identified_by_model_type_alone() -> Result<()> {
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
+
+/// A streamed completion ends with its usage, as a streamed chat completion
+/// does (mistral.rs 0.8.1 sent none): the golden prompt's token count and the
+/// tokens of the same request answered whole.
+#[test]
+fn a_streamed_completion_reports_its_usage_on_its_last_chunk() -> Result<()> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let server = Server::start(&fixture.model_dir, &["--dtype", "f32"])?;
+    let sequence = &fixture.facts["sequences"][0];
+    let mut request = serde_json::json!({
+        "model": "default",
+        "prompt": sequence["rendered_prompt"],
+        "temperature": 0.0,
+        "max_tokens": 64,
+    });
+    let (status, whole) = server.post("/v1/completions", &request)?;
+    assert_eq!(status, 200, "{whole}");
+    request["stream"] = serde_json::json!(true);
+    let (status, events) = server.post_stream("/v1/completions", &request)?;
+    assert_eq!(status, 200, "{events:?}");
+    let streamed: String = events
+        .iter()
+        .filter_map(|event| event["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(
+        Some(streamed.as_str()),
+        whole["choices"][0]["text"].as_str()
+    );
+    let last = events.last().expect("no chunk streamed");
+    assert_eq!(last["usage"]["prompt_tokens"], sequence["len"], "{last}");
+    assert_eq!(
+        last["usage"]["completion_tokens"], whole["usage"]["completion_tokens"],
+        "{last}"
+    );
+    assert!(
+        events[..events.len() - 1]
+            .iter()
+            .all(|event| event["usage"].is_null()),
+        "usage before the last chunk: {events:?}"
+    );
+    Ok(())
+}
