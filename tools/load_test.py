@@ -24,12 +24,12 @@ supports, which the streaming modes work around:
   checkpoints, whose vocabulary is `t0 ... t<vocab-1>`), else common English words (about one token
   each; the measured `usage.prompt_tokens` of a probe is reported beside the requested length).
 * No `min_tokens` / `ignore_eos` (not in the request types or `SamplingParams`; unknown JSON fields
-  are ignored) and `logit_bias` is parsed but never applied by the 0.8.1 sampler: requests use
-  temperature 0 and the tools report the output tokens actually generated. `--ignore-eos` still
-  sends `ignore_eos` and `min_tokens` for a server that honours them.
-* Streamed `/v1/completions` chunks carry no `usage`: output tokens are the chunks that carry text
-  (one per decode step; a multi-byte character split over tokens arrives as one chunk). Streamed
-  chat's last chunk carries `usage`, which is used when present.
+  are ignored): requests use temperature 0 and the tools report the output tokens actually
+  generated. `--ignore-eos` still sends `ignore_eos` and `min_tokens` for a server that honours them.
+* A stream's last chunk carries `usage` (completions since the seam's "Usage of streamed
+  completions" edits; the pristine host sent none there), which gives the output tokens; without
+  it they are the chunks that carry text (one per decode step; a multi-byte character split over
+  tokens arrives as one chunk).
 * `/metrics` is not a route of the pristine host; the seam adds it (docs/host-seam.md, "Metrics
   endpoint"). Against a host without it (404) `soak` records that and falls back to
   /proc/PID/status (VmRSS) of `--server-pid`.
