@@ -30,7 +30,8 @@
 # teacher-forced against the unquantized bf16 model over 3000 positions), isq (the ISQ and UQFF
 # serving tests on the GPU), options (the host's options on the GPU: --no-kv-cache,
 # the refused imatrix, calibration and device map), lora (a LoRA adapter against
-# its merged checkpoint), reload (the model unloaded and reloaded), scale-ttft (the time to first token of single
+# its merged checkpoint), reload (the model unloaded and reloaded), sampling (the sampling
+# parameters, stop sequences and seeds against the reference, with paged attention), scale-ttft (the time to first token of single
 # prompts of 4k to 128k tokens on that checkpoint), scale-interference (16
 # streams on that checkpoint while a
 # $SCALE_LONG_PROMPT-token prompt, default 32768, prefills), scale-soak (the
@@ -409,6 +410,8 @@ step() {
     options) "$BIN/test-server_options" --include-ignored --test-threads 1 ;;
     lora) "$BIN/test-server_lora" --test-threads 1 ;;
     reload) "$BIN/test-server_lifecycle" --test-threads 1 unloaded_and_reloaded ;;
+    sampling) BERRYLM_SERVER_ARGS="--paged-attn on --pa-memory-mb 1024" \
+        "$BIN/test-server_sampling" --test-threads 1 ;;
     align-pool)
         local reports failed=0
         reports="$(mktemp -d)"

@@ -419,3 +419,40 @@ fn a_stop_sequence_ends_the_completion_before_it() -> Result<()> {
     }
     Ok(())
 }
+
+/// The same request with the same `seed` samples the same tokens, alone or
+/// sharing its steps with other sampled requests (each seeded request draws
+/// from a stream of its own); other seeds sample other tokens. mistral.rs
+/// 0.8.1 ignored `seed`: every sampled request drew from the server's one
+/// random stream.
+#[test]
+fn a_seed_makes_sampling_repeatable() -> Result<()> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let server = start(&fixture)?;
+    let (prompt, len) = golden_prompt(&fixture, 0)?;
+    let sampled = |seed: u64| -> Result<String> {
+        let sampling = json!({"temperature": 1.5, "seed": seed});
+        let choice = complete(&server, &prompt, len, 32, &sampling)?;
+        Ok(choice["text"].as_str().context("text")?.to_string())
+    };
+    let alone = sampled(7)?;
+    let sampled = &sampled;
+    let together = thread::scope(|scope| {
+        let running: Vec<_> = [7, 11, 7, 13]
+            .into_iter()
+            .map(|seed| scope.spawn(move || sampled(seed)))
+            .collect();
+        running
+            .into_iter()
+            .map(|answer| answer.join().expect("a request thread panicked"))
+            .collect::<Result<Vec<_>>>()
+    })?;
+    assert_eq!(together[0], alone, "seed 7 in a batch");
+    assert_eq!(together[2], alone, "seed 7 twice in a batch");
+    let others = (101..=108).map(sampled).collect::<Result<Vec<_>>>()?;
+    assert!(
+        others.iter().any(|text| *text != alone),
+        "eight other seeds all sampled {alone:?}"
+    );
+    Ok(())
+}
