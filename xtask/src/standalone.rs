@@ -14,9 +14,10 @@ pub const TOOLS: [&str; 3] = ["mistralrs", "berrylm-align", "berrylm-bench"];
 /// only on in CUDA builds; device errors are injected there; quantized
 /// experts run in the host's indexed kernels there; device maps are refused
 /// only where there is a GPU to map to; LoRA merges, unloading and reloading
-/// go through the CUDA model's own buffers and decode graphs), and decode
-/// graphs against the eager forward.
-pub const TESTS: [&str; 11] = [
+/// go through the CUDA model's own buffers and decode graphs; sampled
+/// batches copy their logits from the device), and decode graphs against the
+/// eager forward.
+pub const TESTS: [&str; 12] = [
     "cuda",
     "server_invariance",
     "server_paged",
@@ -27,6 +28,7 @@ pub const TESTS: [&str; 11] = [
     "server_options",
     "server_lora",
     "server_lifecycle",
+    "server_sampling",
     "decode_graphs",
 ];
 
