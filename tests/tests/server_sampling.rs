@@ -8,10 +8,14 @@
 //! - `logit_bias` moves the first token where the reference's logits with
 //!   the bias added say, and the OpenAI presence and frequency penalties move
 //!   the next token after a golden prompt's first tokens where the reference's
-//!   logits penalized by OpenAI's formula say.
+//!   logits penalized by OpenAI's formula say;
+//! - a stop sequence ends the answer where it begins in the reference's
+//!   greedy completion, streamed or not;
+//! - the same `seed` samples the same tokens.
 //!
-//! mistral.rs 0.8.1 ignored `logit_bias` and ignored `min_p` unless `top_p`
-//! was below 1 (docs/host-seam.md, "Sampling parameters").
+//! mistral.rs 0.8.1 ignored `logit_bias`, `min_p` unless `top_p` was below 1
+//! and `seed`, and streamed stop sequences (docs/host-seam.md, "Sampling
+//! parameters", "Stop sequences", "A request's seed").
 
 use std::collections::HashMap;
 use std::thread;
