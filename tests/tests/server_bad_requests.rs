@@ -176,6 +176,11 @@ fn bad_requests_get_a_4xx_naming_the_problem_and_the_server_keeps_serving() -> R
             "129".to_string(),
         ),
         (
+            "max_tokens 0 (the host generated a token)",
+            hello(serde_json::json!({"max_tokens": 0})),
+            "max_tokens".to_string(),
+        ),
+        (
             "top_p above 1",
             hello(serde_json::json!({"temperature": 1.0, "top_p": 1.5})),
             "top_p".to_string(),
