@@ -119,3 +119,85 @@ fn logprobs_are_the_models_in_openai_shape() -> Result<()> {
     );
     Ok(())
 }
+
+/// `/v1/completions` reports log-probabilities in OpenAI's completions shape
+/// (parallel `tokens`, `token_logprobs`, `top_logprobs` as `{text: logprob}`),
+/// streamed one token a chunk; the first token's is the reference's.
+#[test]
+fn completion_logprobs_are_in_openai_completions_shape() -> Result<()> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let server = Server::start(&fixture.model_dir, &["--dtype", "f32"])?;
+    let expected = reference_first_logprob(&fixture)?;
+    let body = |stream: bool| {
+        json!({
+            "model": "default",
+            "prompt": fixture.facts["sequences"][0]["rendered_prompt"],
+            "temperature": 0.0,
+            "max_tokens": 6,
+            "logprobs": TOP,
+            "stream": stream,
+        })
+    };
+    let (status, response) = server.post("/v1/completions", &body(false))?;
+    anyhow::ensure!(status == 200, "HTTP {status}: {response}");
+    let logprobs = &response["choices"][0]["logprobs"];
+    let tokens: Vec<&str> = logprobs["tokens"]
+        .as_array()
+        .context("logprobs.tokens")?
+        .iter()
+        .map(|token| token.as_str().context("a token is not a string"))
+        .collect::<Result<_>>()?;
+    let values: Vec<f64> = logprobs["token_logprobs"]
+        .as_array()
+        .context("logprobs.token_logprobs")?
+        .iter()
+        .map(|value| value.as_f64().context("a log-probability is not a number"))
+        .collect::<Result<_>>()?;
+    let alternatives = logprobs["top_logprobs"]
+        .as_array()
+        .context("logprobs.top_logprobs")?;
+    assert_eq!(tokens.len(), 6, "{response}");
+    assert_eq!(values.len(), 6, "{response}");
+    assert_eq!(alternatives.len(), 6, "{response}");
+    assert_eq!(
+        tokens.concat(),
+        response["choices"][0]["text"].as_str().unwrap_or_default(),
+        "the tokens spell the text"
+    );
+    for ((token, value), top) in tokens.iter().zip(&values).zip(alternatives) {
+        let top = top
+            .as_object()
+            .context("an alternatives entry is not an object")?;
+        assert_eq!(top.len(), TOP, "{response}");
+        // Greedy: the token is its own most likely alternative.
+        let best = top
+            .values()
+            .filter_map(serde_json::Value::as_f64)
+            .fold(f64::NEG_INFINITY, f64::max);
+        assert_eq!(
+            top.get(*token).and_then(|v| v.as_f64()),
+            Some(best),
+            "{response}"
+        );
+        assert!((best - value).abs() < 1e-6, "{response}");
+    }
+    assert!(
+        (values[0] - expected).abs() < 1e-3,
+        "first token's logprob {}, the reference's log-softmax {expected}",
+        values[0]
+    );
+
+    let (status, chunks) = server.post_stream("/v1/completions", &body(true))?;
+    anyhow::ensure!(status == 200, "HTTP {status} for the streamed request");
+    let streamed: Vec<f64> = chunks
+        .iter()
+        .filter_map(|chunk| chunk["choices"][0]["logprobs"]["token_logprobs"].as_array())
+        .flatten()
+        .filter_map(serde_json::Value::as_f64)
+        .collect();
+    assert_eq!(
+        streamed, values,
+        "streamed logprobs differ from the response's"
+    );
+    Ok(())
+}
