@@ -1,8 +1,8 @@
 """End-to-end check of a running `mistralrs serve` (with berrylm) through the
 official OpenAI Python client, on the bundled trained-tiny model: the golden
 chats (reasoning, content, typed tool calls), `tool_choice`, `response_format`
-(json_schema and json_object, after free reasoning) and `logprobs`, each
-streamed and not.
+(json_schema and json_object, after free reasoning) and chat `logprobs`, each
+streamed and not, and completions' `logprobs`.
 
 usage: openai_client.py BASE_URL GOLDEN_JSON
 Exits non-zero with a message on the first failed check.
@@ -280,6 +280,25 @@ def check_logprobs(client, arithmetic):
           "streamed logprobs differ from the response's")
 
 
+def check_completion_logprobs(client, arithmetic):
+    """`/v1/completions` with `logprobs` 3 on the golden arithmetic prompt,
+    read through the client's `Completion` type: the tokens spell the golden
+    greedy completion's start, each the most likely of its alternatives."""
+    top = 3
+    choice = client.completions.create(
+        model="default", prompt=arithmetic["rendered_prompt"], max_tokens=6, temperature=0,
+        logprobs=top).choices[0]
+    logprobs = choice.logprobs
+    check(logprobs is not None and logprobs.tokens is not None and len(logprobs.tokens) == 6,
+          f"completion logprobs {logprobs!r}")
+    check(arithmetic["greedy_completion_text"].startswith("".join(logprobs.tokens)),
+          f"the tokens {logprobs.tokens!r} do not begin the golden completion")
+    for token, value, alternatives in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        check(len(alternatives) == top, f"{alternatives!r}, asked {top}")
+        check(abs(max(alternatives.values()) - value) < 1e-6 and abs(alternatives[token] - value) < 1e-6,
+              f"the greedy token {token!r} is not the most likely of {alternatives!r}")
+
+
 def main():
     base_url, golden_path = sys.argv[1], sys.argv[2]
     sequences = json.load(open(golden_path))["sequences"]
@@ -293,6 +312,7 @@ def main():
     check_tool_choice(client, greeting, weather, time_without_thinking)
     check_structured_output(client)
     check_logprobs(client, arithmetic)
+    check_completion_logprobs(client, arithmetic)
     print("openai client: all checks passed")
 
 
