@@ -210,13 +210,13 @@ fn prefix(
 }
 
 /// The first token greedy decoding picks after `prefix` with `sampling`, as
-/// its log-probability entry names it.
+/// its log-probabilities name it (`logprobs.tokens`).
 fn first_token(server: &Server, prefix: &Prefix, sampling: Value) -> Result<String> {
     let mut sampling = sampling;
     sampling["temperature"] = json!(0.0);
     sampling["logprobs"] = json!(1);
     let choice = complete(server, &prefix.text, prefix.ids.len(), 1, &sampling)?;
-    Ok(choice["logprobs"]["content"][0]["token"]
+    Ok(choice["logprobs"]["tokens"][0]
         .as_str()
         .with_context(|| format!("no log-probability entry: {choice}"))?
         .to_string())
