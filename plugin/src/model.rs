@@ -186,6 +186,9 @@ pub struct BerryLm {
     lm_head: LmHead,
     rope: PartialRotaryEmbedding,
     device: Device,
+    /// The device's freed memory stays pooled while the model lives.
+    #[cfg(feature = "cuda")]
+    _pooled_memory: crate::device_memory::PooledFreedMemory,
 }
 
 impl BerryLm {
@@ -198,7 +201,7 @@ impl BerryLm {
     ) -> crate::error::Result<BerryLm> {
         let device = weights.device().clone();
         #[cfg(feature = "cuda")]
-        crate::device_memory::keep_freed_memory_pooled(&device)?;
+        let pooled_memory = crate::device_memory::PooledFreedMemory::keep(&device)?;
         let model = weights.pp("model");
         let embed_module = model.pp("embed_tokens");
         let embed_tokens = embed_module.get((cfg.vocab_size, cfg.hidden_size), "weight")?;
@@ -263,6 +266,8 @@ impl BerryLm {
             lm_head,
             rope,
             device,
+            #[cfg(feature = "cuda")]
+            _pooled_memory: pooled_memory,
         })
     }
 
