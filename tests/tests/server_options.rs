@@ -53,6 +53,32 @@ fn a_calibration_file_is_refused_at_load() -> Result<()> {
     result
 }
 
+/// mistral.rs 0.8.1's `serve` parses `--mcp-port` but runs no MCP protocol
+/// server on it.
+#[test]
+fn an_mcp_port_is_refused_at_start() -> Result<()> {
+    assert_refused(&["--mcp-port", "4321"], "`--mcp-port 4321`")
+}
+
+/// An MCP client configuration the server cannot read fails naming the
+/// option and the file (0.8.1 ignored `--mcp-config` altogether).
+#[test]
+fn an_mcp_config_that_cannot_be_read_is_refused_naming_it() -> Result<()> {
+    let missing = std::env::temp_dir().join(format!("berrylm-{}-no-such.json", std::process::id()));
+    assert_refused(
+        &["--mcp-config", &missing.to_string_lossy()],
+        "`--mcp-config`",
+    )?;
+    let malformed = std::env::temp_dir().join(format!("berrylm-{}-mcp.json", std::process::id()));
+    std::fs::write(&malformed, r#"{"servers": []}"#)?;
+    let result = assert_refused(
+        &["--mcp-config", &malformed.to_string_lossy()],
+        "is not an MCP client configuration",
+    );
+    std::fs::remove_file(&malformed)?;
+    result
+}
+
 /// A device map that leaves layers on the CPU next to a GPU: BerryLM runs
 /// every layer on one device. The host maps only where a GPU is, so this runs
 /// on the GPU machine (`test-server_options --ignored`).

@@ -117,3 +117,85 @@ fn the_openai_python_client_gets_reasoning_tool_calls_tool_choice_structured_out
     assert!(stdout.contains("all checks passed"), "{stdout}");
     Ok(())
 }
+
+/// The tools of an MCP server named by `--mcp-config` (the stdio server
+/// `tests/e2e/mcp_weather_server.py`, which offers the golden chats' two
+/// tools) reach the model without the request naming them: the model calls
+/// `get_weather` for Oslo, as in its golden chat, the host runs the call on
+/// the MCP server, and the client gets the model's answer after the result.
+#[test]
+fn the_model_calls_the_tools_of_an_mcp_server() -> Result<()> {
+    let python = std::env::var_os("BERRYLM_PYTHON").unwrap_or_else(|| "python3".into());
+    let fixture = Fixture::load("trained-tiny")?;
+    let dir = std::env::temp_dir().join(format!("berrylm-mcp-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let calls = dir.join("calls.jsonl");
+    let config = dir.join("mcp.json");
+    let script = berrylm_tests::fixtures_dir().join("../e2e/mcp_weather_server.py");
+    std::fs::write(
+        &config,
+        json!({
+            "servers": [{
+                "name": "weather",
+                "source": {
+                    "type": "Process",
+                    "command": python.to_string_lossy(),
+                    "args": [script.to_string_lossy(), calls.to_string_lossy()],
+                },
+                "tool_prefix": null,
+            }],
+            "auto_register_tools": true,
+        })
+        .to_string(),
+    )?;
+    let server = Server::start(
+        &fixture.model_dir,
+        &["--dtype", "f32", "--mcp-config", &config.to_string_lossy()],
+    )?;
+
+    let (_, models) = server.get("/v1/models")?;
+    let loaded = models["data"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|model| model["status"] == "loaded")
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(loaded["mcp_tools_count"], json!(2), "{models}");
+
+    let (status, response) = server.post(
+        "/v1/chat/completions",
+        &json!({
+            "model": "default",
+            "messages": [{"role": "user", "content": "What is the weather in Oslo?"}],
+            "temperature": 0,
+            "max_tokens": 96,
+        }),
+    )?;
+    assert_eq!(status, 200, "{response}");
+    let made: Vec<serde_json::Value> = std::fs::read_to_string(&calls)?
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<serde_json::Result<_>>()?;
+    std::fs::remove_dir_all(&dir)?;
+    assert_eq!(
+        made,
+        [json!({"name": "get_weather", "arguments": {"city": "Oslo"}})],
+        "{response}"
+    );
+    // The answer is the model's after the tool's result (18 degrees and
+    // cloudy): the reasoning of its golden chat that has that result.
+    let message = &response["choices"][0]["message"];
+    assert_eq!(
+        reasoning(message),
+        Some("The tool says it is 18 degrees and cloudy."),
+        "{response}"
+    );
+    assert!(
+        message["content"]
+            .as_str()
+            .is_some_and(|content| content.contains("18 degrees and cloudy")),
+        "{response}"
+    );
+    Ok(())
+}
