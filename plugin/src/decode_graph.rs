@@ -16,7 +16,10 @@
 //! a copy of the logits. What the host computes for a step (the embedding
 //! gather, the rotary rows, the recurrent pools' token counts) stays outside
 //! the graph, as does everything with other shapes: prompts, f32 models,
-//! batches beyond the largest size, steps without paged attention.
+//! batches beyond the largest size, steps without paged attention, and
+//! every step of a model whose quantized experts run in the host's kernels
+//! (types BerryLM's do not take, such as q4k's q4_1 fallback for rows its
+//! blocks do not divide).
 //!
 //! A step of fewer sequences than its key fills the remaining rows with pad
 //! rows: each attends over the first sequence's context, starts from a zero
@@ -78,6 +81,10 @@ struct GraphTable {
     entries: HashMap<GraphKey, Entry>,
     /// Counts replays, for the least recently replayed graph.
     clock: u64,
+    /// Whether the model's decode steps run in BerryLM's kernels only, as
+    /// graphs need (asked at the first decode step after the weights last
+    /// changed).
+    model_takes_graphs: Option<bool>,
 }
 
 enum Entry {
@@ -177,6 +184,7 @@ impl DecodeGraphs {
     pub fn clear(&mut self) {
         if let Ok(table) = self.table.get_mut() {
             table.entries.clear();
+            table.model_takes_graphs = None;
         }
     }
 
@@ -212,6 +220,20 @@ impl DecodeGraphs {
             .table
             .lock()
             .map_err(|_| candle_core::Error::Msg("the decode graph table is poisoned".into()))?;
+        let model_takes_graphs = *table.model_takes_graphs.get_or_insert_with(|| {
+            let takes = model.decodes_in_berrylm_kernels();
+            if !takes {
+                tracing::info!(
+                    "BerryLM: decode steps run without CUDA graphs: quantized experts of a type \
+                     BerryLM's kernels do not take run in the host's kernels, which a graph \
+                     cannot replay"
+                );
+            }
+            takes
+        });
+        if !model_takes_graphs {
+            return Ok(None);
+        }
         match table.entries.get(&key) {
             None => {
                 table.entries.insert(key, Entry::WarmedUp);

@@ -320,6 +320,14 @@ impl BerryLm {
         })
     }
 
+    /// Whether a decode step runs in BerryLM's kernels only, as a CUDA graph
+    /// can replay it ([`crate::layers::moe::SparseMoe::decodes_in_berrylm_kernels`]).
+    pub fn decodes_in_berrylm_kernels(&self) -> bool {
+        self.layers
+            .iter()
+            .all(|layer| layer.moe.decodes_in_berrylm_kernels())
+    }
+
     /// The activations' dtype (the embedding's).
     pub fn dtype(&self) -> DType {
         self.embed_tokens.dtype()

@@ -280,6 +280,43 @@ fn tokens(answers: &[Value]) -> Vec<Vec<Value>> {
         .collect()
 }
 
+/// `--isq q4k` on the bundled model: q4_K's 256-weight blocks do not divide
+/// the experts' 128-wide down rows, which the host quantizes to its fallback
+/// q4_1 instead, and experts of that type run in the host's kernels. Such a
+/// server answers every golden chat, streamed and not, as the same server
+/// without paged attention does. On CUDA its decode steps run without CUDA
+/// graphs (the host's kernels replayed from one read freed memory and ended
+/// the first request on an illegal address); a server without paged
+/// attention replays none.
+#[test]
+fn q4k_with_its_q4_1_fallback_answers_as_without_decode_graphs() -> Result<()> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let chats = golden_chats(&fixture)?;
+    let q4k = ["--dtype", "bf16", "--isq", "q4k"];
+    let expected = {
+        let server = Server::start(
+            &fixture.model_dir,
+            &[&q4k[..], &["--paged-attn", "off"]].concat(),
+        )?;
+        answers(&server, &chats)?
+    };
+    let server = Server::start(&fixture.model_dir, &q4k)?;
+    let got = answers(&server, &chats)?;
+    // The host's device map names the device the layers load on.
+    if server.log().contains(": cuda[") {
+        assert!(
+            server
+                .log()
+                .contains("decode steps run without CUDA graphs"),
+            "a q4k server with q4_1 experts must not replay decode graphs"
+        );
+    }
+    for ((context, _), (want, got)) in chats.iter().zip(expected.iter().zip(&got)) {
+        assert_eq!(got, want, "{context}");
+    }
+    Ok(())
+}
+
 /// `POST /re_isq` re-quantizes the served model in place on the CPU: the
 /// host hands it the layers BerryLM holds for it (q8_0 here) and quantizes
 /// them again, to q4_K, and the model answers from the new blocks: its

@@ -32,6 +32,7 @@ use std::sync::Arc;
 use berrylm_kernels::{
     MoeBlockInputs, MoeBlockWeights, MoeExpertsAlgorithm, MOE_BLOCK_DECODE_MAX_TOP_K,
 };
+use candle_core::quantized::QTensor;
 use candle_core::{DType, IndexOp, Module, Result, Tensor};
 use mistralrs_core::layers::Activation;
 use mistralrs_core::plugin_api::{MoEExperts, MoEExpertsConfig};
@@ -307,23 +308,21 @@ impl SparseMoe {
             // Decode steps: BerryLM's kernels on the blocks where they lie,
             // with the same rounding points, when they take the type; else
             // the host's indexed kernels.
-            Experts::Gathered { gate_up, down } => {
-                match (gate_up.kernel_blocks(), down.kernel_blocks()) {
-                    (Some((gate_up, None)), Some((down, None)))
-                        if gate_up.dtype() == down.dtype() =>
-                    {
-                        berrylm_kernels::moe_experts_quantized(
-                            &flat, &weights, &ids, &gate_up, &down,
-                        )?
-                    }
-                    _ => {
-                        let gate_up = gate_up.gather_forward(&flat.unsqueeze(1)?, &ids)?;
-                        let expert_out =
-                            down.gather_forward(&berrylm_kernels::swiglu(&gate_up)?, &ids)?;
-                        weighted_sum(&expert_out, &weights, dtype)?
-                    }
+            Experts::Gathered { gate_up, down } => match expert_kernel_blocks(gate_up, down) {
+                Some((gate_up_blocks, down_blocks)) => berrylm_kernels::moe_experts_quantized(
+                    &flat,
+                    &weights,
+                    &ids,
+                    &gate_up_blocks,
+                    &down_blocks,
+                )?,
+                None => {
+                    let gate_up = gate_up.gather_forward(&flat.unsqueeze(1)?, &ids)?;
+                    let expert_out =
+                        down.gather_forward(&berrylm_kernels::swiglu(&gate_up)?, &ids)?;
+                    weighted_sum(&expert_out, &weights, dtype)?
                 }
-            }
+            },
         };
 
         let shared = self
@@ -339,6 +338,18 @@ impl SparseMoe {
 }
 
 impl SparseMoe {
+    /// Whether its decode steps run in BerryLM's kernels only: not the
+    /// host's indexed kernels for quantized experts of a type BerryLM's do
+    /// not take, which (with the candle operations around them) upload
+    /// their tensors' layouts from host memory on every call, memory a
+    /// replayed CUDA graph would read after it was freed.
+    pub fn decodes_in_berrylm_kernels(&self) -> bool {
+        match &self.experts {
+            Experts::Gathered { gate_up, down } => expert_kernel_blocks(gate_up, down).is_some(),
+            Experts::PerExpert(_) | Experts::Fused(_) => true,
+        }
+    }
+
     /// The weights [`berrylm_kernels::moe_block_decode`] runs the block of
     /// `tokens` tokens on, when it does: a decode step (the routed rows that
     /// [`MoeExpertsAlgorithm::Streamed`] takes) on the host's fused expert
@@ -446,6 +457,20 @@ fn load_gathered(experts: &Weights, cfg: &BerryLmConfig) -> crate::error::Result
             count,
         )?,
     })
+}
+
+/// The quantized experts' gate | up and down blocks where BerryLM's kernels
+/// take them (on CUDA, both of one type they take, without bias).
+fn expert_kernel_blocks(
+    gate_up: &HostLayer,
+    down: &HostLayer,
+) -> Option<(Arc<QTensor>, Arc<QTensor>)> {
+    match (gate_up.kernel_blocks(), down.kernel_blocks()) {
+        (Some((gate_up, None)), Some((down, None))) if gate_up.dtype() == down.dtype() => {
+            Some((gate_up, down))
+        }
+        _ => None,
+    }
 }
 
 /// `Σ_j weights[n, j] · expert_out[n, j]`: `expert_out` `[N, k, H]` and the
