@@ -320,8 +320,11 @@ impl BerryLm {
         })
     }
 
-    /// Whether a decode step runs in BerryLM's kernels only, as a CUDA graph
-    /// can replay it ([`crate::layers::moe::SparseMoe::decodes_in_berrylm_kernels`]).
+    /// Whether every layer's routed experts decode in BerryLM's kernels, as a
+    /// CUDA graph can replay them
+    /// ([`crate::layers::moe::SparseMoe::decodes_in_berrylm_kernels`]; the
+    /// host's quantized matmul, which projections of more rows than
+    /// BerryLM's GEMV takes run in, replays from graphs).
     pub fn decodes_in_berrylm_kernels(&self) -> bool {
         self.layers
             .iter()
