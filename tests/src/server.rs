@@ -301,6 +301,19 @@ impl Server {
         Ok(())
     }
 
+    /// The loaded model's entry in `GET /v1/models` (the list names the
+    /// default alias first, then each model with its status).
+    pub fn loaded_model(&self) -> Result<serde_json::Value> {
+        let (_, models) = self.get("/v1/models")?;
+        models["data"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|model| model["status"] == "loaded")
+            .cloned()
+            .with_context(|| format!("no loaded model in {models}"))
+    }
+
     pub fn get(&self, path: &str) -> Result<(u16, serde_json::Value)> {
         let (status, body) = self.request("GET", path, None)?;
         Ok((

@@ -354,15 +354,10 @@ fn the_model_answers_after_it_is_unloaded_and_reloaded() -> Result<()> {
     const PROMPT: &str = "What is 2 + 3?";
     let server = Server::start(&fixtures_dir().join("trained-tiny/model"), &[])?;
     let expected = server.complete(PROMPT, 16)?;
-    let (_, models) = server.get("/v1/models")?;
-    // The list names the default alias first, then the model with its status.
-    let id = models["data"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .find(|model| model["status"] == "loaded")
-        .and_then(|model| model["id"].as_str())
-        .with_context(|| format!("no loaded model in {models}"))?
+    let loaded = server.loaded_model()?;
+    let id = loaded["id"]
+        .as_str()
+        .with_context(|| format!("no model id in {loaded}"))?
         .to_string();
     let manage = |operation: &str, status: &str| -> Result<()> {
         let (code, response) = server.post(

@@ -153,15 +153,8 @@ fn the_model_calls_the_tools_of_an_mcp_server() -> Result<()> {
         &["--dtype", "f32", "--mcp-config", &config.to_string_lossy()],
     )?;
 
-    let (_, models) = server.get("/v1/models")?;
-    let loaded = models["data"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .find(|model| model["status"] == "loaded")
-        .cloned()
-        .unwrap_or_default();
-    assert_eq!(loaded["mcp_tools_count"], json!(2), "{models}");
+    let loaded = server.loaded_model()?;
+    assert_eq!(loaded["mcp_tools_count"], json!(2), "{loaded}");
 
     let (status, response) = server.post(
         "/v1/chat/completions",
