@@ -156,25 +156,30 @@ fn the_model_calls_the_tools_of_an_mcp_server() -> Result<()> {
     let loaded = server.loaded_model()?;
     assert_eq!(loaded["mcp_tools_count"], json!(2), "{loaded}");
 
-    let (status, response) = server.post(
-        "/v1/chat/completions",
-        &json!({
+    let request = |stream: bool| {
+        json!({
             "model": "default",
             "messages": [{"role": "user", "content": "What is the weather in Oslo?"}],
             "temperature": 0,
             "max_tokens": 96,
-        }),
-    )?;
+            "stream": stream,
+        })
+    };
+    let (status, response) = server.post("/v1/chat/completions", &request(false))?;
     assert_eq!(status, 200, "{response}");
+    // Streamed: the client sees the first turn's reasoning, then the answer
+    // after the result; the tool call itself is not streamed to it.
+    let (streamed, finish_reason) = chat_answer(&server, &request(true))?;
     let made: Vec<serde_json::Value> = std::fs::read_to_string(&calls)?
         .lines()
         .map(serde_json::from_str)
         .collect::<serde_json::Result<_>>()?;
     std::fs::remove_dir_all(&dir)?;
+    let weather_call = json!({"name": "get_weather", "arguments": {"city": "Oslo"}});
     assert_eq!(
         made,
-        [json!({"name": "get_weather", "arguments": {"city": "Oslo"}})],
-        "{response}"
+        [weather_call.clone(), weather_call],
+        "{response}\n{streamed}"
     );
     // The answer is the model's after the tool's result (18 degrees and
     // cloudy): the reasoning of its golden chat that has that result.
@@ -184,11 +189,15 @@ fn the_model_calls_the_tools_of_an_mcp_server() -> Result<()> {
         Some("The tool says it is 18 degrees and cloudy."),
         "{response}"
     );
-    assert!(
-        message["content"]
-            .as_str()
-            .is_some_and(|content| content.contains("18 degrees and cloudy")),
-        "{response}"
-    );
+    for answer in [message, &streamed] {
+        assert!(
+            answer["content"]
+                .as_str()
+                .is_some_and(|content| content.contains("18 degrees and cloudy")),
+            "{answer}"
+        );
+    }
+    assert_eq!(finish_reason, "stop", "{streamed}");
+    assert_eq!(streamed["tool_calls"], json!([]), "{streamed}");
     Ok(())
 }
