@@ -9,7 +9,7 @@ use berrylm_tests::chat::{
     reasoning, tool_call_message,
 };
 use berrylm_tests::server::Server;
-use berrylm_tests::Fixture;
+use berrylm_tests::{Fixture, TempDir};
 use serde_json::json;
 
 /// What the model reasons before calling `get_weather` for "What is the
@@ -127,10 +127,9 @@ fn the_openai_python_client_gets_reasoning_tool_calls_tool_choice_structured_out
 fn the_model_calls_the_tools_of_an_mcp_server() -> Result<()> {
     let python = std::env::var_os("BERRYLM_PYTHON").unwrap_or_else(|| "python3".into());
     let fixture = Fixture::load("trained-tiny")?;
-    let dir = std::env::temp_dir().join(format!("berrylm-mcp-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    let calls = dir.join("calls.jsonl");
-    let config = dir.join("mcp.json");
+    let dir = TempDir::new("berrylm-mcp")?;
+    let calls = dir.0.join("calls.jsonl");
+    let config = dir.0.join("mcp.json");
     let script = berrylm_tests::fixtures_dir().join("../e2e/mcp_weather_server.py");
     std::fs::write(
         &config,
@@ -174,7 +173,6 @@ fn the_model_calls_the_tools_of_an_mcp_server() -> Result<()> {
         .lines()
         .map(serde_json::from_str)
         .collect::<serde_json::Result<_>>()?;
-    std::fs::remove_dir_all(&dir)?;
     let weather_call = json!({"name": "get_weather", "arguments": {"city": "Oslo"}});
     assert_eq!(
         made,
