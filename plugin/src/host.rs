@@ -243,13 +243,6 @@ impl IsqModel for BerryLmHostModel {
         (layers, &*self.mapper)
     }
 
-    /// `POST /re_isq` is declined on CUDA: there a re-quantized BerryLM
-    /// failed its next request with an illegal address (docs/usage.md, Known
-    /// gaps), which would end every request the server holds.
-    fn re_isq_refusal(&self, device: &Device) -> Option<String> {
-        device.is_cuda().then(|| RE_ISQ_ON_CUDA.to_string())
-    }
-
     /// Collecting an imatrix needs the host's layers to see every
     /// projection's inputs in full precision; BerryLM's full-precision
     /// projections are its own.
@@ -268,11 +261,6 @@ impl IsqModel for BerryLmHostModel {
         })
     }
 }
-
-/// Why BerryLM declines `POST /re_isq` on CUDA (the host logs it as the
-/// request's failure).
-const RE_ISQ_ON_CUDA: &str = "BerryLM is not quantized again on CUDA (POST /re_isq): the model \
-     keeps its weights; restart the server with --isq TYPE for another quantization";
 
 const CALIBRATION_UNSUPPORTED: &str = "BerryLM cannot collect an imatrix from a calibration file \
      (`--calibration-file`): quantize it without one (`--isq TYPE`)";
