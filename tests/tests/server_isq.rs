@@ -352,8 +352,9 @@ fn q4k_with_its_q4_1_fallback_answers_as_without_decode_graphs() -> Result<()> {
 /// q4_K, and the model answers from the new blocks: its log-probabilities
 /// move, and its greedy tokens are those of a server re-quantized the same
 /// way without paged attention (on CUDA, in bf16, the first server replays
-/// decode steps from CUDA graphs captured anew after the re-quantization;
-/// the second runs every step eagerly).
+/// its q8_0 decode steps from CUDA graphs, drops them when the host takes its
+/// layers and, its experts then in q4_1, runs the q4k steps without; the
+/// second never replays a graph).
 #[test]
 fn re_isq_quantizes_the_served_model_again() -> Result<()> {
     let fixture = Fixture::load("trained-tiny")?;
