@@ -1,0 +1,177 @@
+//! The Responses API (`POST /v1/responses`) through the real server: the
+//! bundled model answers its golden chats as the reference wrote them, its
+//! reasoning in `reasoning`, its text as a message item and its tool call as a
+//! `function_call` item, whole and streamed. Streamed, a tool call arrives as
+//! OpenAI streams one: its item (call id and name) added, its arguments in
+//! deltas, done, and in the completed response (mistral.rs 0.8.1 sent only the
+//! argument deltas, without the call's name, and a completed response without
+//! the call).
+
+use anyhow::{Context, Result};
+use berrylm_tests::chat::golden_chat_request;
+use berrylm_tests::server::Server;
+use berrylm_tests::Fixture;
+use serde_json::{json, Value};
+
+/// The Responses request for golden sequence `index`: its messages as input
+/// and its tools in the chat-completions shape, which 0.8.1's endpoint takes.
+fn responses_request(fixture: &Fixture, index: usize, stream: bool) -> Result<Value> {
+    let chat = golden_chat_request(&fixture.facts["sequences"][index], 128, false)?;
+    let mut request = json!({
+        "model": "default",
+        "input": chat["messages"],
+        "temperature": 0.0,
+        "max_output_tokens": 128,
+        "stream": stream,
+    });
+    if !chat["tools"].is_null() {
+        request["tools"] = chat["tools"].clone();
+    }
+    Ok(request)
+}
+
+/// The reference's greedy answer to golden sequence `index`: its reasoning
+/// and what follows `</think>`, without the end-of-turn token.
+fn reference(fixture: &Fixture, index: usize) -> Result<(String, String)> {
+    let text = fixture.facts["sequences"][index]["greedy_completion_text"]
+        .as_str()
+        .context("greedy_completion_text")?;
+    let (reasoning, rest) = text.split_once("</think>").context("no </think>")?;
+    Ok((
+        reasoning.trim().to_string(),
+        rest.trim_end_matches("<|im_end|>").trim().to_string(),
+    ))
+}
+
+fn text_of(value: &Value) -> &str {
+    value.as_str().map(str::trim).unwrap_or_default()
+}
+
+/// "What is 7 + 5?" and "Hello!": the reasoning and the text of the
+/// reference, whole and streamed (the text deltas add up to it).
+#[test]
+fn answers_in_text_as_the_reference_whole_and_streamed() -> Result<()> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let server = Server::start(&fixture.model_dir, &["--dtype", "f32"])?;
+    for index in [0, 1] {
+        let (reasoning, text) = reference(&fixture, index)?;
+        let (status, whole) =
+            server.post("/v1/responses", &responses_request(&fixture, index, false)?)?;
+        assert_eq!(status, 200, "{whole}");
+        assert_eq!(whole["status"], "completed", "{whole}");
+        assert_eq!(text_of(&whole["reasoning"]), reasoning, "{whole}");
+        assert_eq!(text_of(&whole["output_text"]), text, "{whole}");
+        let output = whole["output"].as_array().context("output")?;
+        assert_eq!(output.len(), 1, "{whole}");
+        assert_eq!(output[0]["type"], "message", "{whole}");
+
+        let (status, events) =
+            server.post_stream("/v1/responses", &responses_request(&fixture, index, true)?)?;
+        assert_eq!(status, 200, "{events:?}");
+        let streamed: String = events
+            .iter()
+            .filter(|event| event["type"] == "response.output_text.delta")
+            .filter_map(|event| event["delta"].as_str())
+            .collect();
+        assert_eq!(streamed.trim(), text, "{events:?}");
+        let completed = completed_response(&events)?;
+        assert_eq!(text_of(&completed["reasoning"]), reasoning, "{completed}");
+        assert_eq!(text_of(&completed["output_text"]), text, "{completed}");
+    }
+    Ok(())
+}
+
+/// "What is the weather in Oslo?" with `get_weather` offered: the reference
+/// reasons, then calls `get_weather` with `{"city": "Oslo"}`.
+#[test]
+fn calls_the_reference_tool_whole_and_streamed() -> Result<()> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let server = Server::start(&fixture.model_dir, &["--dtype", "f32"])?;
+    let (reasoning, rest) = reference(&fixture, 2)?;
+    assert!(
+        rest.contains("<function=get_weather>") && rest.contains("Oslo"),
+        "{rest}"
+    );
+    let expected_arguments = json!({"city": "Oslo"});
+
+    let (status, whole) = server.post("/v1/responses", &responses_request(&fixture, 2, false)?)?;
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(text_of(&whole["reasoning"]), reasoning, "{whole}");
+    let output = whole["output"].as_array().context("output")?;
+    assert_eq!(output.len(), 1, "{whole}");
+    assert_function_call(&output[0], &expected_arguments);
+
+    let (status, events) =
+        server.post_stream("/v1/responses", &responses_request(&fixture, 2, true)?)?;
+    assert_eq!(status, 200, "{events:?}");
+    let of_type = |kind: &str| -> Vec<&Value> {
+        events
+            .iter()
+            .filter(|event| event["type"] == kind)
+            .collect()
+    };
+    let added = of_type("response.output_item.added");
+    assert_eq!(added.len(), 1, "{events:?}");
+    let item = &added[0]["item"];
+    assert_eq!(item["type"], "function_call", "{events:?}");
+    assert_eq!(item["name"], "get_weather", "{events:?}");
+    assert_eq!(item["status"], "in_progress", "{events:?}");
+    let call_id = item["call_id"].as_str().context("call_id")?;
+    assert!(!call_id.is_empty(), "{events:?}");
+
+    let deltas = of_type("response.function_call_arguments.delta");
+    assert!(!deltas.is_empty(), "{events:?}");
+    assert!(
+        deltas.iter().all(|delta| delta["call_id"] == call_id),
+        "every argument delta names the call: {events:?}"
+    );
+    let streamed: String = deltas
+        .iter()
+        .filter_map(|delta| delta["delta"].as_str())
+        .collect();
+    let done = of_type("response.function_call_arguments.done");
+    assert_eq!(done.len(), 1, "{events:?}");
+    assert_eq!(done[0]["arguments"], streamed.as_str(), "{events:?}");
+    assert_eq!(
+        serde_json::from_str::<Value>(&streamed)?,
+        expected_arguments
+    );
+    let item_done = of_type("response.output_item.done");
+    assert_eq!(item_done.len(), 1, "{events:?}");
+    assert_function_call(&item_done[0]["item"], &expected_arguments);
+    assert_eq!(item_done[0]["item"]["call_id"], call_id, "{events:?}");
+
+    let completed = completed_response(&events)?;
+    assert_eq!(text_of(&completed["reasoning"]), reasoning, "{completed}");
+    let output = completed["output"].as_array().context("output")?;
+    assert_eq!(output.len(), 1, "{completed}");
+    assert_function_call(&output[0], &expected_arguments);
+    assert_eq!(output[0]["call_id"], call_id, "{completed}");
+    Ok(())
+}
+
+/// The `response` of a stream's last event, `response.completed`.
+fn completed_response(events: &[Value]) -> Result<&Value> {
+    let last = events.last().context("no event streamed")?;
+    anyhow::ensure!(
+        last["type"] == "response.completed",
+        "the stream ends with {last}"
+    );
+    Ok(&last["response"])
+}
+
+/// A completed `function_call` item calling `get_weather` with `arguments`.
+fn assert_function_call(item: &Value, arguments: &Value) {
+    assert_eq!(item["type"], "function_call", "{item}");
+    assert_eq!(item["name"], "get_weather", "{item}");
+    assert_eq!(item["status"], "completed", "{item}");
+    assert!(
+        item["call_id"].as_str().is_some_and(|id| !id.is_empty()),
+        "{item}"
+    );
+    let parsed: Value = item["arguments"]
+        .as_str()
+        .and_then(|text| serde_json::from_str(text).ok())
+        .unwrap_or(Value::Null);
+    assert_eq!(&parsed, arguments, "{item}");
+}
