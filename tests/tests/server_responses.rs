@@ -1,11 +1,12 @@
 //! The Responses API (`POST /v1/responses`) through the real server: the
 //! bundled model answers its golden chats as the reference wrote them, its
 //! reasoning in `reasoning`, its text as a message item and its tool call as a
-//! `function_call` item, whole and streamed. Streamed, a tool call arrives as
-//! OpenAI streams one: its item (call id and name) added, its arguments in
-//! deltas, done, and in the completed response (mistral.rs 0.8.1 sent only the
-//! argument deltas, without the call's name, and a completed response without
-//! the call).
+//! `function_call` item, whole and streamed, and answers after the tool's
+//! output comes back as a `function_call_output` item. Streamed, a tool call
+//! arrives as OpenAI streams one: its item (call id and name) added, its
+//! arguments in deltas, done, and in the completed response (mistral.rs 0.8.1
+//! sent only the argument deltas, without the call's name, and a completed
+//! response without the call).
 
 use anyhow::{Context, Result};
 use berrylm_tests::chat::golden_chat_request;
@@ -147,6 +148,40 @@ fn calls_the_reference_tool_whole_and_streamed() -> Result<()> {
     assert_eq!(output.len(), 1, "{completed}");
     assert_function_call(&output[0], &expected_arguments);
     assert_eq!(output[0]["call_id"], call_id, "{completed}");
+    Ok(())
+}
+
+/// The weather question's second turn as Responses input items: the call the
+/// model made (`function_call`) and the tool's result
+/// (`function_call_output`, golden sequence 4's tool message). The model
+/// answers with the reference's text and reasoning.
+#[test]
+fn answers_after_a_function_call_output_as_the_reference() -> Result<()> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let server = Server::start(&fixture.model_dir, &["--dtype", "f32"])?;
+    let (reasoning, text) = reference(&fixture, 4)?;
+    let sequence = &fixture.facts["sequences"][4];
+    let messages = sequence["messages"].as_array().context("messages")?;
+    let call = &messages[1]["tool_calls"][0]["function"];
+    let mut request = responses_request(&fixture, 4, false)?;
+    request["input"] = json!([
+        messages[0],
+        {
+            "type": "function_call",
+            "call_id": "call_1",
+            "name": call["name"],
+            "arguments": serde_json::to_string(&call["arguments"])?,
+        },
+        {
+            "type": "function_call_output",
+            "call_id": "call_1",
+            "output": messages[2]["content"],
+        },
+    ]);
+    let (status, response) = server.post("/v1/responses", &request)?;
+    assert_eq!(status, 200, "{response}");
+    assert_eq!(text_of(&response["reasoning"]), reasoning, "{response}");
+    assert_eq!(text_of(&response["output_text"]), text, "{response}");
     Ok(())
 }
 
