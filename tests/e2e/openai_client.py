@@ -2,7 +2,8 @@
 official OpenAI Python client, on the bundled trained-tiny model: the golden
 chats (reasoning, content, typed tool calls), `tool_choice`, `response_format`
 (json_schema and json_object, after free reasoning) and chat `logprobs`, each
-streamed and not, and completions' `logprobs`.
+streamed and not, completions' `logprobs`, and the Responses API (text and a
+tool call, whole and through the client's stream helper).
 
 usage: openai_client.py BASE_URL GOLDEN_JSON
 Exits non-zero with a message on the first failed check.
@@ -299,6 +300,44 @@ def check_completion_logprobs(client, arithmetic):
               f"the greedy token {token!r} is not the most likely of {alternatives!r}")
 
 
+def golden_content(sequence):
+    """The content of a golden greedy completion (after `</think>`, without the end of turn)."""
+    return sequence["greedy_completion_text"].split("</think>")[1].removesuffix("<|im_end|>").strip()
+
+
+def check_responses(client, greeting, weather):
+    """The Responses API: the golden greeting as text, whole and through the
+    client's stream helper (which checks that every event names the same
+    items), and the golden weather call with the tool in the Responses shape."""
+    args = {"model": "default", "input": greeting["messages"], "temperature": 0.0, "max_output_tokens": 96}
+    response = client.responses.create(**args)
+    check(response.output_text.strip() == golden_content(greeting), f"responses text {response.output_text!r}")
+    check(extra(response, "reasoning").strip() == golden_reasoning(greeting),
+          f"responses reasoning {extra(response, 'reasoning')!r}")
+    with client.responses.stream(**args) as stream:
+        deltas = "".join(event.delta for event in stream if event.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    check(deltas.strip() == golden_content(greeting), f"streamed responses text {deltas!r}")
+    check(final.output_text.strip() == golden_content(greeting), f"final responses text {final.output_text!r}")
+
+    tools = [dict(type="function", **tool["function"]) for tool in weather["tools"]]
+    args = {"model": "default", "input": weather["messages"], "tools": tools, "temperature": 0.0,
+            "max_output_tokens": 96}
+    for stream in [False, True]:
+        if stream:
+            with client.responses.stream(**args) as events:
+                for _ in events:
+                    pass
+                response = events.get_final_response()
+        else:
+            response = client.responses.create(**args)
+        calls = [item for item in response.output if item.type == "function_call"]
+        context = f"responses weather, stream {stream}: {response.output}"
+        check(len(calls) == 1 and calls[0].name == "get_weather" and calls[0].call_id, context)
+        check(json.loads(calls[0].arguments) == {"city": "Oslo"}, context)
+        check(extra(response, "reasoning").strip() == golden_reasoning(weather), context)
+
+
 def main():
     base_url, golden_path = sys.argv[1], sys.argv[2]
     sequences = json.load(open(golden_path))["sequences"]
@@ -313,6 +352,7 @@ def main():
     check_structured_output(client)
     check_logprobs(client, arithmetic)
     check_completion_logprobs(client, arithmetic)
+    check_responses(client, greeting, weather)
     print("openai client: all checks passed")
 
 

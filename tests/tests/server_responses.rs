@@ -14,8 +14,16 @@ use berrylm_tests::server::Server;
 use berrylm_tests::Fixture;
 use serde_json::{json, Value};
 
+/// The bundled trained model and an f32 server of it.
+fn served() -> Result<(Fixture, Server)> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let server = Server::start(&fixture.model_dir, &["--dtype", "f32"])?;
+    Ok((fixture, server))
+}
+
 /// The Responses request for golden sequence `index`: its messages as input
-/// and its tools in the chat-completions shape, which 0.8.1's endpoint takes.
+/// and its tools in the chat completions' shape (the endpoint also reads the
+/// Responses API's, which `tests/e2e/openai_client.py` sends).
 fn responses_request(fixture: &Fixture, index: usize, stream: bool) -> Result<Value> {
     let chat = golden_chat_request(&fixture.facts["sequences"][index], 128, false)?;
     let mut request = json!({
@@ -52,8 +60,7 @@ fn text_of(value: &Value) -> &str {
 /// reference, whole and streamed (the text deltas add up to it).
 #[test]
 fn answers_in_text_as_the_reference_whole_and_streamed() -> Result<()> {
-    let fixture = Fixture::load("trained-tiny")?;
-    let server = Server::start(&fixture.model_dir, &["--dtype", "f32"])?;
+    let (fixture, server) = served()?;
     for index in [0, 1] {
         let (reasoning, text) = reference(&fixture, index)?;
         let (status, whole) =
@@ -86,8 +93,7 @@ fn answers_in_text_as_the_reference_whole_and_streamed() -> Result<()> {
 /// reasons, then calls `get_weather` with `{"city": "Oslo"}`.
 #[test]
 fn calls_the_reference_tool_whole_and_streamed() -> Result<()> {
-    let fixture = Fixture::load("trained-tiny")?;
-    let server = Server::start(&fixture.model_dir, &["--dtype", "f32"])?;
+    let (fixture, server) = served()?;
     let (reasoning, rest) = reference(&fixture, 2)?;
     assert!(
         rest.contains("<function=get_weather>") && rest.contains("Oslo"),
@@ -157,8 +163,7 @@ fn calls_the_reference_tool_whole_and_streamed() -> Result<()> {
 /// answers with the reference's text and reasoning.
 #[test]
 fn answers_after_a_function_call_output_as_the_reference() -> Result<()> {
-    let fixture = Fixture::load("trained-tiny")?;
-    let server = Server::start(&fixture.model_dir, &["--dtype", "f32"])?;
+    let (fixture, server) = served()?;
     let (reasoning, text) = reference(&fixture, 4)?;
     let sequence = &fixture.facts["sequences"][4];
     let messages = sequence["messages"].as_array().context("messages")?;
