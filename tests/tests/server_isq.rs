@@ -322,7 +322,10 @@ fn q4k_with_its_q4_1_fallback_answers_as_without_decode_graphs() -> Result<()> {
     }
     let paged = tokens_and_logprobs(&server, &chats)?;
     for (want, got) in contiguous.iter().zip(&paged) {
-        let (want, got) = (want.as_array().unwrap(), got.as_array().unwrap());
+        let (want, got) = (
+            want.as_array().context("logprobs")?,
+            got.as_array().context("logprobs")?,
+        );
         let Some(part) = want
             .iter()
             .zip(got)

@@ -121,8 +121,7 @@ fn paged_and_contiguous_kv_give_the_same_logprobs_on_the_trained_model() -> Resu
 /// differ by at most twice the reference's own bf16 noise on average (mean
 /// |Δ log-probability| 7.39e-2 between its bf16 and f32 runs, alignment.md):
 /// the two decode kernels sum in different orders and round to bf16, which
-/// moves a near-tied token's probability by a few percent (on the H200: 36
-/// tokens, all within 1e-5 but one at a near-tie, 7.1e-2; mean 2.0e-3).
+/// moves a near-tied token's probability by a few percent.
 #[test]
 #[ignore = "needs a CUDA build of the host (paged attention); run on the GPU machine"]
 fn paged_and_contiguous_kv_give_the_same_answers_in_bf16_on_the_trained_model() -> Result<()> {
