@@ -190,6 +190,28 @@ fn answers_after_a_function_call_output_as_the_reference() -> Result<()> {
     Ok(())
 }
 
+/// A tool in either shape that lacks its function's name is refused with a
+/// 422 naming the field, and the server answers the next request.
+#[test]
+fn a_tool_without_a_name_is_refused_naming_it() -> Result<()> {
+    let (fixture, server) = served()?;
+    let parameters = json!({"type": "object", "properties": {"city": {"type": "string"}}});
+    for tool in [
+        json!({"type": "function", "parameters": parameters}),
+        json!({"type": "function", "function": {"parameters": parameters}}),
+    ] {
+        let mut request = responses_request(&fixture, 2, false)?;
+        request["tools"] = json!([tool]);
+        let (status, body) = server.post_raw("/v1/responses", &request.to_string())?;
+        assert_eq!(status, 422, "{body}");
+        assert!(body.contains("missing field `name`"), "{body}");
+    }
+    let (status, response) =
+        server.post("/v1/responses", &responses_request(&fixture, 0, false)?)?;
+    assert_eq!(status, 200, "{response}");
+    Ok(())
+}
+
 /// The `response` of a stream's last event, `response.completed`.
 fn completed_response(events: &[Value]) -> Result<&Value> {
     let last = events.last().context("no event streamed")?;
