@@ -67,8 +67,7 @@ fn answers_in_text_as_the_reference_whole_and_streamed() -> Result<()> {
             server.post("/v1/responses", &responses_request(&fixture, index, false)?)?;
         assert_eq!(status, 200, "{whole}");
         assert_eq!(whole["status"], "completed", "{whole}");
-        assert_eq!(text_of(&whole["reasoning"]), reasoning, "{whole}");
-        assert_eq!(text_of(&whole["output_text"]), text, "{whole}");
+        assert_answer(&whole, &reasoning, &text);
         let output = whole["output"].as_array().context("output")?;
         assert_eq!(output.len(), 1, "{whole}");
         assert_eq!(output[0]["type"], "message", "{whole}");
@@ -83,8 +82,7 @@ fn answers_in_text_as_the_reference_whole_and_streamed() -> Result<()> {
             .collect();
         assert_eq!(streamed.trim(), text, "{events:?}");
         let completed = completed_response(&events)?;
-        assert_eq!(text_of(&completed["reasoning"]), reasoning, "{completed}");
-        assert_eq!(text_of(&completed["output_text"]), text, "{completed}");
+        assert_answer(completed, &reasoning, &text);
     }
     Ok(())
 }
@@ -185,8 +183,7 @@ fn answers_after_a_function_call_output_as_the_reference() -> Result<()> {
     ]);
     let (status, response) = server.post("/v1/responses", &request)?;
     assert_eq!(status, 200, "{response}");
-    assert_eq!(text_of(&response["reasoning"]), reasoning, "{response}");
-    assert_eq!(text_of(&response["output_text"]), text, "{response}");
+    assert_answer(&response, &reasoning, &text);
     Ok(())
 }
 
@@ -210,6 +207,12 @@ fn a_tool_without_a_name_is_refused_naming_it() -> Result<()> {
         server.post("/v1/responses", &responses_request(&fixture, 0, false)?)?;
     assert_eq!(status, 200, "{response}");
     Ok(())
+}
+
+/// A response whose reasoning and text are the reference's.
+fn assert_answer(response: &Value, reasoning: &str, text: &str) {
+    assert_eq!(text_of(&response["reasoning"]), reasoning, "{response}");
+    assert_eq!(text_of(&response["output_text"]), text, "{response}");
 }
 
 /// The `response` of a stream's last event, `response.completed`.
