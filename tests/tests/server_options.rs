@@ -4,7 +4,7 @@
 use anyhow::{Context, Result};
 use berrylm_tests::chat::{chat_answer, comparable, golden_chat_request};
 use berrylm_tests::server::Server;
-use berrylm_tests::{fixtures_dir, Fixture};
+use berrylm_tests::{fixtures_dir, Fixture, TempDir};
 
 /// Starts the bundled model with `args`, which must fail at load with an
 /// error naming `option`.
@@ -38,9 +38,10 @@ fn an_imatrix_is_refused_at_load() -> Result<()> {
 /// A calibration file asks the host to collect an imatrix by running the model.
 #[test]
 fn a_calibration_file_is_refused_at_load() -> Result<()> {
-    let calibration = std::env::temp_dir().join(format!("berrylm-{}.txt", std::process::id()));
+    let dir = TempDir::new("berrylm-calibration")?;
+    let calibration = dir.0.join("calibration.txt");
     std::fs::write(&calibration, "What is the weather in Oslo?")?;
-    let result = assert_refused(
+    assert_refused(
         &[
             "--isq",
             "q4k",
@@ -48,9 +49,7 @@ fn a_calibration_file_is_refused_at_load() -> Result<()> {
             &calibration.to_string_lossy(),
         ],
         "`--calibration-file`",
-    );
-    std::fs::remove_file(&calibration)?;
-    result
+    )
 }
 
 /// mistral.rs 0.8.1's `serve` parses `--mcp-port` but runs no MCP protocol
@@ -64,19 +63,18 @@ fn an_mcp_port_is_refused_at_start() -> Result<()> {
 /// option and the file (0.8.1 ignored `--mcp-config` altogether).
 #[test]
 fn an_mcp_config_that_cannot_be_read_is_refused_naming_it() -> Result<()> {
-    let missing = std::env::temp_dir().join(format!("berrylm-{}-no-such.json", std::process::id()));
+    let dir = TempDir::new("berrylm-mcp-config")?;
+    let missing = dir.0.join("no-such.json");
     assert_refused(
         &["--mcp-config", &missing.to_string_lossy()],
         "`--mcp-config`",
     )?;
-    let malformed = std::env::temp_dir().join(format!("berrylm-{}-mcp.json", std::process::id()));
+    let malformed = dir.0.join("mcp.json");
     std::fs::write(&malformed, r#"{"servers": []}"#)?;
-    let result = assert_refused(
+    assert_refused(
         &["--mcp-config", &malformed.to_string_lossy()],
         "is not an MCP client configuration",
-    );
-    std::fs::remove_file(&malformed)?;
-    result
+    )
 }
 
 /// A device map that leaves layers on the CPU next to a GPU: BerryLM runs
