@@ -325,7 +325,9 @@ fn input_ids(chunks: &[&[u32]], device: &Device) -> Result<Tensor> {
 
 impl PagedBlocks {
     /// The host's paged attention metadata of a step feeding `len` tokens to
-    /// each sequence from `offsets`: a prompt from the start, or one token.
+    /// each sequence from `offsets`: a prompt from the start, one token (a
+    /// decode step), or more tokens after the start as the host gives a
+    /// prompt whose first `offset` positions the prefix cache supplied.
     fn metadata(
         &self,
         offsets: &[usize],
@@ -333,9 +335,10 @@ impl PagedBlocks {
         device: &Device,
     ) -> Result<PagedAttentionInputMetadata> {
         let prompt = offsets.iter().all(|&offset| offset == 0);
+        let prefix_hit = !prompt && len > 1;
         anyhow::ensure!(
-            prompt || len == 1,
-            "a paged driver feeds prompts from the start, then one token at a time"
+            prompt || offsets.iter().all(|&offset| offset > 0),
+            "a paged driver's step starts every sequence from the start or none"
         );
         let ends: Vec<usize> = offsets.iter().map(|offset| offset + len).collect();
         let longest = ends.iter().copied().max().unwrap_or(0);
@@ -376,7 +379,7 @@ impl PagedBlocks {
             full_block_tables: None,
             full_context_lens: None,
             full_max_context_len: None,
-            is_first_prompt_chunk: prompt,
+            is_first_prompt_chunk: prompt || prefix_hit,
             paged_kv_indptr: None,
             paged_kv_indices: None,
             paged_kv_last_page_len: None,
@@ -384,12 +387,30 @@ impl PagedBlocks {
             paged_kv_tile_indices: None,
             paged_kv_o_indptr: None,
             paged_kv_chunk_size: None,
-            num_cached_tokens: None,
-            query_lens: None,
-            cu_seqlens_q: None,
-            cu_seqlens_kv: None,
+            num_cached_tokens: prefix_hit.then(|| offsets.to_vec()),
+            query_lens: prefix_hit.then(|| vec![len; offsets.len()]),
+            cu_seqlens_q: prefix_hit
+                .then(|| cumulative(offsets.iter().map(|_| len), device))
+                .transpose()?
+                .map(&on_device),
+            cu_seqlens_kv: prefix_hit
+                .then(|| cumulative(ends.iter().copied(), device))
+                .transpose()?
+                .map(&on_device),
         })
     }
+}
+
+/// `[0, l0, l0 + l1, ...]` of `lengths` as a `u32` tensor, as the host gives
+/// cumulative sequence lengths.
+fn cumulative(lengths: impl Iterator<Item = usize>, device: &Device) -> Result<Tensor> {
+    let sums: Vec<u32> = std::iter::once(0)
+        .chain(lengths.scan(0u32, |sum, length| {
+            *sum += length as u32;
+            Some(*sum)
+        }))
+        .collect();
+    Ok(Tensor::new(sums.as_slice(), device)?)
 }
 
 #[cfg(test)]
@@ -438,9 +459,28 @@ mod tests {
     }
 
     #[test]
-    fn paged_metadata_refuses_chunks_and_overflow() {
-        let chunk = blocks().metadata(&[4, 4], 2, &Device::Cpu).unwrap_err();
-        assert!(chunk.to_string().contains("one token at a time"), "{chunk}");
+    fn paged_metadata_gives_a_chunk_after_the_start_as_a_prefix_hit() -> Result<()> {
+        // 2 new tokens after 3 and 6 cached ones: sequence 1's positions 6-7
+        // are the last two slots of its second block (block 4).
+        let chunk = blocks().metadata(&[3, 6], 2, &Device::Cpu)?;
+        assert!(chunk.is_first_prompt_chunk);
+        assert_eq!(chunk.num_cached_tokens, Some(vec![3, 6]));
+        assert_eq!(chunk.query_lens, Some(vec![2, 2]));
+        assert_eq!(values(&chunk.slot_mappings), [3, 4, 18, 19]);
+        assert_eq!(values(chunk.block_tables.as_ref().unwrap()), [0, 1, 3, 4]);
+        assert_eq!(values(chunk.context_lens.as_ref().unwrap()), [5, 8]);
+        assert_eq!(values(chunk.cu_seqlens_q.as_ref().unwrap()), [0, 2, 4]);
+        assert_eq!(values(chunk.cu_seqlens_kv.as_ref().unwrap()), [0, 5, 13]);
+        Ok(())
+    }
+
+    #[test]
+    fn paged_metadata_refuses_mixed_starts_and_overflow() {
+        let mixed = blocks().metadata(&[0, 4], 2, &Device::Cpu).unwrap_err();
+        assert!(
+            mixed.to_string().contains("from the start or none"),
+            "{mixed}"
+        );
         let overflow = blocks().metadata(&[12], 1, &Device::Cpu).unwrap_err();
         assert!(overflow.to_string().contains("do not fit"), "{overflow}");
     }

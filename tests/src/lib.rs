@@ -116,6 +116,18 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
     Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
 }
 
+/// A tensor's values as the bits of their f32 values, for an exact
+/// comparison.
+pub fn f32_bits(tensor: &Tensor) -> Result<Vec<u32>> {
+    Ok(tensor
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?
+        .into_iter()
+        .map(f32::to_bits)
+        .collect())
+}
+
 /// Largest absolute element.
 pub fn max_abs(a: &Tensor) -> Result<f32> {
     Ok(a.to_dtype(DType::F32)?

@@ -15,7 +15,7 @@
 use anyhow::{Context, Result};
 use berrylm::driver::{load_checkpoint, Driver};
 use berrylm::graph_batches::GraphBatches;
-use berrylm_tests::fixtures_dir;
+use berrylm_tests::{f32_bits, fixtures_dir};
 use candle_core::{DType, Tensor, D};
 
 /// Prompt tokens per sequence.
@@ -87,8 +87,8 @@ fn compare_at(model: &berrylm::model::BerryLm, batch: usize) -> Result<()> {
     for step in 0..=STEPS {
         match &larger {
             None => assert_eq!(
-                bits(&logits)?,
-                bits(&replayed)?,
+                f32_bits(&logits)?,
+                f32_bits(&replayed)?,
                 "batch {batch}, step {step}: the graph's logits differ from the eager ones"
             ),
             Some(larger) => {
@@ -141,15 +141,4 @@ fn largest_difference(a: &Tensor, b: &Tensor) -> Result<f32> {
     let a = a.to_dtype(DType::F32)?;
     let b = b.to_dtype(DType::F32)?;
     Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
-}
-
-/// The logits' values as bits, for an exact comparison.
-fn bits(logits: &Tensor) -> Result<Vec<u32>> {
-    Ok(logits
-        .to_dtype(DType::F32)?
-        .flatten_all()?
-        .to_vec1::<f32>()?
-        .into_iter()
-        .map(f32::to_bits)
-        .collect())
 }

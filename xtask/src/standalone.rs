@@ -15,9 +15,10 @@ pub const TOOLS: [&str; 3] = ["mistralrs", "berrylm-align", "berrylm-bench"];
 /// experts run in the host's indexed kernels there; device maps are refused
 /// only where there is a GPU to map to; LoRA merges, unloading and reloading
 /// go through the CUDA model's own buffers and decode graphs; sampled
-/// batches copy their logits from the device), and decode graphs against the
-/// eager forward.
-pub const TESTS: [&str; 12] = [
+/// batches copy their logits from the device), decode graphs against the
+/// eager forward, and prompts after a prefix-cache hit against the
+/// contiguous cache.
+pub const TESTS: [&str; 13] = [
     "cuda",
     "server_invariance",
     "server_paged",
@@ -30,6 +31,7 @@ pub const TESTS: [&str; 12] = [
     "server_lifecycle",
     "server_sampling",
     "decode_graphs",
+    "paged_prefix",
 ];
 
 /// The newest executable `deps/{name}-{16 hex digits}` of a target folder.

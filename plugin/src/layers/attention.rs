@@ -5,10 +5,10 @@
 //! output in place.
 //!
 //! On CUDA in bf16/f16 a prompt's attention is `berrylm_kernels::causal_attention`
-//! (tiled, no score matrix in memory) over the contiguous cache, and over the
-//! prompt's own keys and values under paged attention (a prompt without a
-//! cached prefix; prefix hits take the host's path, which gathers the cached
-//! blocks), and a decode step's attention over the paged blocks is
+//! (tiled, no score matrix in memory) over the contiguous cache, and under
+//! paged attention over the prompt's own keys and values or, after a
+//! prefix-cache hit, over each sequence's cached and new ones gathered from
+//! its blocks; a decode step's attention over the paged blocks is
 //! `berrylm_kernels::paged_decode_attention` (split-KV). The CPU and f32 keep
 //! the reference's eager attention.
 
@@ -173,6 +173,9 @@ impl GatedAttention {
                 if tiled && is_uncached_prompt(mask, metadata) {
                     write_paged_cache(&k_tokens, &v_tokens, &key_value, metadata)?;
                     self.causal_attention(&q, &k, &v)?
+                } else if tiled && mask.is_some() {
+                    write_paged_cache(&k_tokens, &v_tokens, &key_value, metadata)?;
+                    self.prefix_hit_attention(&q, &key_value, metadata)?
                 } else if tiled && seq_len == 1 && self.decodes_paged(&key_value.0, metadata)? {
                     write_paged_cache(&k_tokens, &v_tokens, &key_value, metadata)?;
                     self.paged_decode_attention(&q_tokens, &key_value, metadata)?
@@ -281,6 +284,43 @@ impl GatedAttention {
         )?)
     }
 
+    /// The attention of prompts whose first positions the prefix cache
+    /// supplied (`q` `[B, heads, T, hd]`; their new keys and values already
+    /// in the blocks): each sequence's cached and new keys and values
+    /// gathered from its blocks, then [`attend_each_sequence`] with the tiled
+    /// kernel.
+    fn prefix_hit_attention(
+        &self,
+        q: &Tensor,
+        (key_cache, value_cache): &(Tensor, Tensor),
+        metadata: &PagedAttentionInputMetadata,
+    ) -> Result<Tensor> {
+        let (Some(cached), Some(new)) = (&metadata.num_cached_tokens, &metadata.query_lens) else {
+            candle_core::bail!("a prompt after a prefix-cache hit without its token counts")
+        };
+        let location = q.device().location();
+        let (keys, values) = gather_paged_kv(
+            key_cache,
+            value_cache,
+            on_device(
+                metadata
+                    .full_block_tables
+                    .as_ref()
+                    .or(metadata.block_tables.as_ref()),
+                &location,
+                "block tables",
+            )?,
+            on_device(
+                metadata.cu_seqlens_kv.as_ref(),
+                &location,
+                "cumulative KV lengths",
+            )?,
+        )?;
+        attend_each_sequence(q, (&keys, &values), (cached, new), |q, k, v| {
+            self.causal_attention(q, k, v)
+        })
+    }
+
     /// Causal attention of the last `T` of `L` positions (queries `[B, heads,
     /// T, hd]`, keys and values `[B, kv_heads, L, hd]`), tiled: what the causal
     /// mask of a prompt, or no mask for one decoded token, asks for.
@@ -352,6 +392,56 @@ impl GatedAttention {
     }
 }
 
+/// The attention of prompts after prefix-cache hits, sequence by sequence:
+/// `q` `[B, heads, T, hd]` holds sequence `b`'s `new[b]` tokens first, then
+/// padding; `keys` and `values` `[tokens, kv_heads, hd]` hold each
+/// sequence's `cached[b] + new[b]` positions, one sequence after another.
+/// `attend` (causal attention of the last `T` of `L` positions, as
+/// [`berrylm_kernels::causal_attention`]) runs on each sequence's new
+/// queries and its positions' keys and values (`[1, kv_heads, L, hd]`
+/// views). Returns `[B, heads, T, hd]`, the padding rows zeros.
+fn attend_each_sequence(
+    q: &Tensor,
+    (keys, values): (&Tensor, &Tensor),
+    (cached, new): (&[usize], &[usize]),
+    attend: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let (batch, heads, padded, head_dim) = q.dims4()?;
+    if cached.len() != batch || new.len() != batch {
+        candle_core::bail!(
+            "prefix-cache token counts for {} and {} sequences in a batch of {batch}",
+            cached.len(),
+            new.len()
+        )
+    }
+    let mut rows = Vec::with_capacity(batch);
+    let mut start = 0;
+    for (row, (&cached, &new)) in cached.iter().zip(new).enumerate() {
+        let (first, len) = (start, cached + new);
+        start += len;
+        let sequence = |gathered: &Tensor| -> Result<Tensor> {
+            gathered
+                .narrow(0, first, len)?
+                .unsqueeze(0)?
+                .transpose(1, 2)
+        };
+        let mut attended = Vec::with_capacity(2);
+        if new > 0 {
+            let queries = q.narrow(0, row, 1)?.narrow(2, 0, new)?;
+            attended.push(attend(&queries, &sequence(keys)?, &sequence(values)?)?.transpose(1, 2)?);
+        }
+        if new < padded {
+            attended.push(Tensor::zeros(
+                (1, padded - new, heads, head_dim),
+                q.dtype(),
+                q.device(),
+            )?);
+        }
+        rows.push(Tensor::cat(&attended, 1)?);
+    }
+    Tensor::cat(&rows, 0)?.transpose(1, 2)
+}
+
 /// The tensor of a per-device map of the paged metadata (`what` names it in
 /// the error) for `location`.
 fn on_device<'a>(
@@ -405,6 +495,38 @@ fn write_paged_cache(
     )
 }
 
+/// The keys and values of each sequence's positions, gathered from its
+/// paged blocks (`block_tables`) into `[tokens, kv_heads, hd]` rows, one
+/// sequence after another (`cu_seqlens_kv`, the cumulative lengths).
+#[cfg(feature = "cuda")]
+fn gather_paged_kv(
+    key_cache: &Tensor,
+    value_cache: &Tensor,
+    block_tables: &Tensor,
+    cu_seqlens_kv: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    mistralrs_paged_attn::gather_kv_cache(
+        key_cache,
+        value_cache,
+        None,
+        None,
+        block_tables,
+        cu_seqlens_kv,
+        key_cache.dtype(),
+    )
+}
+
+/// Paged attention exists only in CUDA builds.
+#[cfg(not(feature = "cuda"))]
+fn gather_paged_kv(
+    _key_cache: &Tensor,
+    _value_cache: &Tensor,
+    _block_tables: &Tensor,
+    _cu_seqlens_kv: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    candle_core::bail!("paged attention needs a CUDA build")
+}
+
 /// Paged attention exists only in CUDA builds.
 #[cfg(not(feature = "cuda"))]
 fn write_paged_cache(
@@ -414,4 +536,73 @@ fn write_paged_cache(
     _metadata: &PagedAttentionInputMetadata,
 ) -> Result<()> {
     candle_core::bail!("paged attention needs a CUDA build")
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device, IndexOp, Result, Tensor};
+
+    use super::attend_each_sequence;
+
+    /// Two sequences in one batch of 3 query rows: the first with 5 cached
+    /// and 3 new positions, the second with none cached and 2 new (then a
+    /// padding row). Each sequence's rows equal the causal attention of its
+    /// own queries over its own positions, computed from tensors built
+    /// apart; the padding row is zeros.
+    #[test]
+    fn each_sequence_attends_over_its_own_cached_and_new_positions() -> Result<()> {
+        let device = Device::Cpu;
+        let (heads, kv_heads, head_dim) = (4, 2, 8);
+        let random = |dims: &[usize]| Tensor::randn(0f32, 1.0, dims, &device);
+        // Token-major queries `[B, T, heads, hd]`, read head-major.
+        let q = random(&[2, 3, heads, head_dim])?;
+        let (first_keys, first_values) = (
+            random(&[8, kv_heads, head_dim])?,
+            random(&[8, kv_heads, head_dim])?,
+        );
+        let (second_keys, second_values) = (
+            random(&[2, kv_heads, head_dim])?,
+            random(&[2, kv_heads, head_dim])?,
+        );
+        let keys = Tensor::cat(&[&first_keys, &second_keys], 0)?;
+        let values = Tensor::cat(&[&first_values, &second_values], 0)?;
+        let attend = |q: &Tensor, k: &Tensor, v: &Tensor| -> Result<Tensor> {
+            berrylm_kernels::causal_attention(q, k, v, 0.25).map_err(candle_core::Error::wrap)
+        };
+        let out = attend_each_sequence(
+            &q.transpose(1, 2)?,
+            (&keys, &values),
+            (&[5, 0], &[3, 2]),
+            attend,
+        )?;
+        assert_eq!(out.dims(), [2, heads, 3, head_dim]);
+        let head_major = |positions: &Tensor| -> Result<Tensor> {
+            positions.transpose(0, 1)?.unsqueeze(0)?.contiguous()
+        };
+        let first = attend(
+            &q.i(0)?.transpose(0, 1)?.unsqueeze(0)?.contiguous()?,
+            &head_major(&first_keys)?,
+            &head_major(&first_values)?,
+        )?;
+        let second = attend(
+            &q.i(1)?
+                .narrow(0, 0, 2)?
+                .transpose(0, 1)?
+                .unsqueeze(0)?
+                .contiguous()?,
+            &head_major(&second_keys)?,
+            &head_major(&second_values)?,
+        )?;
+        let difference = |a: &Tensor, b: &Tensor| -> Result<f32> {
+            (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
+        };
+        assert_eq!(difference(&out.i(0)?, &first.i(0)?)?, 0.0);
+        assert_eq!(difference(&out.i(1)?.narrow(1, 0, 2)?, &second.i(0)?)?, 0.0);
+        let padding = out.i(1)?.narrow(1, 2, 1)?.to_dtype(DType::F32)?;
+        assert_eq!(
+            padding.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?,
+            0.0
+        );
+        Ok(())
+    }
 }
