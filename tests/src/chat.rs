@@ -175,3 +175,84 @@ pub fn assert_golden_weather_call(message: &Value, finish_reason: &str) {
         &context,
     );
 }
+
+/// The chosen tokens of a non-streamed greedy chat completion request with
+/// their log-probabilities and the three most likely alternatives at each
+/// (`choices[0].logprobs.content`).
+pub fn chosen_logprobs(server: &Server, body: &Value) -> Result<Value> {
+    let mut request = body.clone();
+    request["stream"] = json!(false);
+    request["logprobs"] = json!(true);
+    request["top_logprobs"] = json!(3);
+    let (status, response) = server.post("/v1/chat/completions", &request)?;
+    ensure!(status == 200, "HTTP {status}: {response}");
+    let content = &response["choices"][0]["logprobs"]["content"];
+    ensure!(
+        content.as_array().is_some_and(|tokens| !tokens.is_empty()),
+        "no logprobs: {response}"
+    );
+    Ok(content.clone())
+}
+
+/// Asserts that two answers' [`chosen_logprobs`] have the same tokens up to
+/// a near-tie: where they part, `want`'s two most likely tokens are within
+/// twice the reference's own bf16 noise of each other
+/// ([`crate::REFERENCE_BF16_MEAN_ABS_LOGPROB`]) and `got` chose the second
+/// (bf16 sums in two orders move such a tie either way); without a parting,
+/// the same length.
+pub fn assert_same_tokens_up_to_a_near_tie(want: &Value, got: &Value) -> Result<()> {
+    let (want, got) = (
+        want.as_array().context("logprobs")?,
+        got.as_array().context("logprobs")?,
+    );
+    let Some(part) = want
+        .iter()
+        .zip(got)
+        .position(|(a, b)| a["token"] != b["token"])
+    else {
+        assert_eq!(want.len(), got.len(), "{want:?}\n{got:?}");
+        return Ok(());
+    };
+    let alternatives = &want[part]["top_logprobs"];
+    let margin = alternatives[0]["logprob"].as_f64().unwrap_or(f64::NAN)
+        - alternatives[1]["logprob"].as_f64().unwrap_or(f64::NAN);
+    assert!(
+        margin <= 2.0 * crate::REFERENCE_BF16_MEAN_ABS_LOGPROB,
+        "the answers part at token {part} where the first's top two are {margin} apart: \
+         {alternatives}\n{got:?}"
+    );
+    assert_eq!(
+        got[part]["token"], alternatives[1]["token"],
+        "the second answer's token where the answers part"
+    );
+    Ok(())
+}
+
+/// The assistant message of a greedy chat completion (48 tokens at most) of
+/// `messages`.
+pub fn greedy_chat_message(server: &Server, messages: &Value) -> Result<Value> {
+    let request = json!({
+        "model": "default",
+        "messages": messages,
+        "temperature": 0.0,
+        "max_tokens": 48,
+    });
+    let (status, response) = server.post("/v1/chat/completions", &request)?;
+    ensure!(status == 200, "HTTP {status}: {response}");
+    Ok(response["choices"][0]["message"].clone())
+}
+
+/// A conversation extending a finished one: the user's `question`, the
+/// `answer` sent back as a client sends it (without the separators the
+/// template puts around reasoning and content), then the user's `next`.
+pub fn follow_up_messages(question: &str, answer: &Value, next: &str) -> Value {
+    json!([
+        {"role": "user", "content": question},
+        {
+            "role": "assistant",
+            "reasoning_content": answer["reasoning_content"].as_str().unwrap_or_default().trim(),
+            "content": answer["content"].as_str().unwrap_or_default().trim(),
+        },
+        {"role": "user", "content": next},
+    ])
+}

@@ -270,6 +270,30 @@ impl Server {
         without_ansi_escapes(&std::fs::read_to_string(&self.log).unwrap_or_default())
     }
 
+    /// The forwards of prompts (more than one token) that started after
+    /// position 0, from the log's `berrylm forward` lines: the prefix cache
+    /// supplied the state of the positions before.
+    pub fn prompt_forwards_after_a_cache_hit(&self) -> Vec<String> {
+        self.log()
+            .lines()
+            .filter_map(|line| line.split("berrylm forward: ").nth(1))
+            .filter(|rest| {
+                let tokens: usize = rest
+                    .split(" x ")
+                    .nth(1)
+                    .and_then(|t| t.split_whitespace().next()?.parse().ok())
+                    .unwrap_or(0);
+                let first_position = rest
+                    .split("positions [")
+                    .nth(1)
+                    .and_then(|p| p.split([',', ']']).next()?.trim().parse::<usize>().ok())
+                    .unwrap_or(0);
+                tokens > 1 && first_position > 0
+            })
+            .map(str::to_string)
+            .collect()
+    }
+
     /// Waits up to `timeout` for the log to contain `text`.
     pub fn wait_for_log(&self, text: &str, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;

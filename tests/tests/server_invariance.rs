@@ -10,8 +10,10 @@
 use std::thread;
 
 use anyhow::Result;
+use berrylm_tests::chat::{follow_up_messages, greedy_chat_message};
 use berrylm_tests::fixtures_dir;
 use berrylm_tests::server::Server;
+use serde_json::json;
 
 /// Prompts of space-separated digits for the trained-tiny fixture: prompts
 /// with the same number of digits tokenize to the same length.
@@ -130,7 +132,7 @@ fn a_long_request_is_not_disturbed_by_requests_around_it() -> Result<()> {
         for round in 0..6 {
             let short = prompt(100 + round, 4 + round);
             scope.spawn(move || server.complete(&short, 8));
-            let streaming = serde_json::json!({
+            let streaming = json!({
                 "model": "default",
                 "prompt": prompt(200 + round, 5),
                 "temperature": 0.0,
@@ -145,70 +147,26 @@ fn a_long_request_is_not_disturbed_by_requests_around_it() -> Result<()> {
     Ok(())
 }
 
-fn chat(server: &Server, messages: &serde_json::Value) -> Result<serde_json::Value> {
-    let request = serde_json::json!({
-        "model": "default",
-        "messages": messages,
-        "temperature": 0.0,
-        "max_tokens": 48,
-    });
-    let (status, response) = server.post("/v1/chat/completions", &request)?;
-    anyhow::ensure!(status == 200, "HTTP {status}: {response}");
-    Ok(response["choices"][0]["message"].clone())
-}
-
-/// Prompt forwards (more than one token) that started after position 0: the
-/// prefix cache supplied the state of the positions before.
-fn prompt_forwards_after_a_cache_hit(log: &str) -> Vec<String> {
-    log.lines()
-        .filter_map(|line| line.split("berrylm forward: ").nth(1))
-        .filter(|rest| {
-            let tokens: usize = rest
-                .split(" x ")
-                .nth(1)
-                .and_then(|t| t.split_whitespace().next()?.parse().ok())
-                .unwrap_or(0);
-            let first_position = rest
-                .split("positions [")
-                .nth(1)
-                .and_then(|p| p.split([',', ']']).next()?.trim().parse::<usize>().ok())
-                .unwrap_or(0);
-            tokens > 1 && first_position > 0
-        })
-        .map(str::to_string)
-        .collect()
-}
-
 #[test]
 fn a_conversation_extending_a_finished_one_hits_the_cache_and_gives_the_cold_run_tokens(
 ) -> Result<()> {
-    let question = serde_json::json!([{"role": "user", "content": "What is 7 + 5?"}]);
+    let question = "What is 7 + 5?";
     let server = start()?;
-    let answer = chat(&server, &question)?;
-    // The client sends the turn back as it came, minus the separators the
-    // template puts around reasoning and content.
-    let follow_up = serde_json::json!([
-        {"role": "user", "content": "What is 7 + 5?"},
-        {
-            "role": "assistant",
-            "reasoning_content": answer["reasoning_content"].as_str().unwrap_or_default().trim(),
-            "content": answer["content"].as_str().unwrap_or_default().trim(),
-        },
-        {"role": "user", "content": "Hello!"},
-    ]);
+    let answer = greedy_chat_message(&server, &json!([{"role": "user", "content": question}]))?;
+    let follow_up = follow_up_messages(question, &answer, "Hello!");
     assert!(
-        prompt_forwards_after_a_cache_hit(&server.log()).is_empty(),
+        server.prompt_forwards_after_a_cache_hit().is_empty(),
         "a prefix hit before any conversation was extended"
     );
-    let warm = chat(&server, &follow_up)?;
-    let hits = prompt_forwards_after_a_cache_hit(&server.log());
+    let warm = greedy_chat_message(&server, &follow_up)?;
+    let hits = server.prompt_forwards_after_a_cache_hit();
     assert!(
         !hits.is_empty(),
         "the extended conversation did not hit the prefix cache"
     );
     let cold = {
         let fresh = start()?;
-        chat(&fresh, &follow_up)?
+        greedy_chat_message(&fresh, &follow_up)?
     };
     assert_eq!(warm, cold, "prefix hit {hits:?}");
     Ok(())

@@ -13,12 +13,11 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use berrylm_tests::chat::{
-    assert_golden_weather_call, chat_answer, comparable, golden_chat_request,
+    assert_golden_weather_call, assert_same_tokens_up_to_a_near_tie, chat_answer, chosen_logprobs,
+    comparable, golden_chat_request,
 };
 use berrylm_tests::server::Server;
-use berrylm_tests::{
-    checkpoint_tensors, host_binary, Fixture, TempDir, REFERENCE_BF16_MEAN_ABS_LOGPROB,
-};
+use berrylm_tests::{checkpoint_tensors, host_binary, Fixture, TempDir};
 use candle_core::quantized::GgmlDType;
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device};
@@ -197,19 +196,7 @@ fn tokens_and_logprobs(server: &Server, chats: &[(String, Value)]) -> Result<Vec
     chats
         .iter()
         .filter(|(_, request)| request["stream"] == json!(false))
-        .map(|(context, request)| {
-            let mut request = request.clone();
-            request["logprobs"] = json!(true);
-            request["top_logprobs"] = json!(3);
-            let (status, response) = server.post("/v1/chat/completions", &request)?;
-            anyhow::ensure!(status == 200, "{context}: HTTP {status}: {response}");
-            let content = &response["choices"][0]["logprobs"]["content"];
-            anyhow::ensure!(
-                content.as_array().is_some_and(|tokens| !tokens.is_empty()),
-                "{context}: no logprobs: {response}"
-            );
-            Ok(content.clone())
-        })
+        .map(|(context, request)| chosen_logprobs(server, request).with_context(|| context.clone()))
         .collect()
 }
 
@@ -322,30 +309,7 @@ fn q4k_with_its_q4_1_fallback_answers_as_without_decode_graphs() -> Result<()> {
     }
     let paged = tokens_and_logprobs(&server, &chats)?;
     for (want, got) in contiguous.iter().zip(&paged) {
-        let (want, got) = (
-            want.as_array().context("logprobs")?,
-            got.as_array().context("logprobs")?,
-        );
-        let Some(part) = want
-            .iter()
-            .zip(got)
-            .position(|(a, b)| a["token"] != b["token"])
-        else {
-            assert_eq!(want.len(), got.len(), "{want:?}\n{got:?}");
-            continue;
-        };
-        let alternatives = &want[part]["top_logprobs"];
-        let margin = alternatives[0]["logprob"].as_f64().unwrap_or(f64::NAN)
-            - alternatives[1]["logprob"].as_f64().unwrap_or(f64::NAN);
-        assert!(
-            margin <= 2.0 * REFERENCE_BF16_MEAN_ABS_LOGPROB,
-            "the answers part at token {part} where the contiguous server's top two are \
-             {margin} apart: {alternatives}\n{got:?}"
-        );
-        assert_eq!(
-            got[part]["token"], alternatives[1]["token"],
-            "the paged server's token where the answers part"
-        );
+        assert_same_tokens_up_to_a_near_tie(want, got)?;
     }
     Ok(())
 }

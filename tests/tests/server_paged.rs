@@ -1,7 +1,7 @@
 //! Paged attention against the contiguous KV cache through the real server:
 //! the same greedy tokens on every fixture, and on the trained model the same
 //! log-probabilities within 1e-3 (f32) and the same answers in bf16, also
-//! from an FP8 KV cache; the recurrent state of `--max-seqs`
+//! from an FP8 KV cache and after a prefix-cache hit; the recurrent state of `--max-seqs`
 //! sequences reserved before the paged KV cache is sized, and enough for any
 //! load. The host pages only in CUDA builds, so these
 //! tests are ignored in CI and run on the GPU machine (docs/performance.md):
@@ -11,6 +11,9 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
+use berrylm_tests::chat::{
+    assert_same_tokens_up_to_a_near_tie, chosen_logprobs, follow_up_messages, greedy_chat_message,
+};
 use berrylm_tests::metrics::{recurrent_bytes_per_sequence, SLOTS_IN_USE, SLOTS_TOTAL};
 use berrylm_tests::server::Server;
 use berrylm_tests::{fixtures_dir, Fixture, FIXTURES, REFERENCE_BF16_MEAN_ABS_LOGPROB};
@@ -157,6 +160,41 @@ fn paged_and_contiguous_kv_give_the_same_answers_in_bf16_on_the_trained_model() 
         "mean |Δ log-probability| {mean} over {differences:?}"
     );
     Ok(())
+}
+
+/// A conversation extending a finished one hits the paged server's prefix
+/// cache: the new turn's prompt runs after the cached positions, their keys
+/// and values read from the paged blocks. In bf16 it is answered as the
+/// contiguous cache answers the whole conversation, token for token up to a
+/// near-tie (the prefix-hit prompt runs the recurrence from the cached
+/// state in other chunks, which rounds otherwise).
+#[test]
+#[ignore = "needs a CUDA build of the host (paged attention); run on the GPU machine"]
+fn a_prompt_after_a_prefix_hit_gives_the_contiguous_answer_in_bf16() -> Result<()> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let bf16 = |args: &[&'static str]| -> Vec<&'static str> {
+        args.iter()
+            .map(|arg| if *arg == "f32" { "bf16" } else { arg })
+            .collect()
+    };
+    let paged = Server::start(&fixture.model_dir, &bf16(&PAGED))?;
+    let contiguous = Server::start(&fixture.model_dir, &bf16(&CONTIGUOUS))?;
+    let question = "What is 7 + 5?";
+    let answer = greedy_chat_message(&paged, &json!([{"role": "user", "content": question}]))?;
+    let follow_up = json!({
+        "model": "default",
+        "messages": follow_up_messages(question, &answer, "And what is 12 + 30? Explain it step by step."),
+        "temperature": 0.0,
+        "max_tokens": 48,
+    });
+    let after_hit = chosen_logprobs(&paged, &follow_up)?;
+    let hits = paged.prompt_forwards_after_a_cache_hit();
+    assert!(
+        !hits.is_empty(),
+        "the extended conversation did not hit the prefix cache"
+    );
+    let whole = chosen_logprobs(&contiguous, &follow_up)?;
+    assert_same_tokens_up_to_a_near_tie(&whole, &after_hit)
 }
 
 /// The assistant message of a greedy chat completion, without the ids the
