@@ -12,7 +12,8 @@
 # fixture, f32 and bf16), align-pool (bf16 on tests/fixtures/bf16-pool, both of
 # its reference runs, teacher-forced; the two steps' JSON reports come packed in
 # $OUT/<step>-reports.tar.xz), bench (the 8-layer BerryLM-OS-shaped benchmark),
-# paged (paged vs contiguous KV), invariance-paged / invariance-contiguous (the
+# paged (paged vs contiguous KV), paged-prefix (prompts after a prefix-cache
+# hit under paged KV against the contiguous cache, bit for bit), invariance-paged / invariance-contiguous (the
 # serving invariance tests with paged attention on / off), template (chat
 # template and grammar-pinned tool calls), e2e (batch-1 decode end to end through
 # `mistralrs serve` on an 8-layer BerryLM-OS-shaped random bf16 checkpoint, next to
@@ -32,7 +33,9 @@
 # the refused imatrix, calibration and device map), lora (a LoRA adapter against
 # its merged checkpoint), reload (the model unloaded and reloaded), sampling (the sampling
 # parameters, stop sequences and seeds against the reference, with paged attention), scale-ttft (the time to first token of single
-# prompts of 4k to 128k tokens on that checkpoint), scale-interference (16
+# prompts of 4k to 128k tokens on that checkpoint), scale-prefix (the same
+# for prompts after a prefix-cache hit: a shared 16k-token prefix, then 4k or
+# 16k new tokens), scale-interference (16
 # streams on that checkpoint while a
 # $SCALE_LONG_PROMPT-token prompt, default 32768, prefills), scale-soak (the
 # load tool's soak on that checkpoint: $SOAK_CLIENTS clients, default 256, for
@@ -279,6 +282,19 @@ ttft_clients() {
         --output-tokens 2 --requests-per-client 2 ${OUT:+--json "$OUT/ttft-40l.json"}
 }
 
+# The scale-prefix step: the time to first token of single prompts of
+# $SCALE_PREFIX_PROMPTS tokens (default 20480,32768) that begin with the same
+# $SCALE_PREFIX_SHARED tokens (default 16384) on the 40-layer checkpoint: after
+# the first, each prompt's shared tokens come from the prefix cache and only
+# the rest prefill (4096 and 16384 new tokens by default). Compare with
+# scale-ttft's cold prompts of the same lengths.
+prefix_clients() {
+    timeout 400 python3 tools/load_test.py sweep --url "http://127.0.0.1:$SCALE_PORT" \
+        --concurrency 1 --prompt-tokens "${SCALE_PREFIX_PROMPTS:-20480,32768}" \
+        --shared-prefix-tokens "${SCALE_PREFIX_SHARED:-16384}" \
+        --output-tokens 2 --requests-per-client 2 ${OUT:+--json "$OUT/prefix-40l.json"}
+}
+
 # The scale-interference step: 16 streams decode on the 40-layer checkpoint
 # while one $SCALE_LONG_PROMPT-token prompt (default 32768) prefills; the load
 # tool reports their inter-token latency before, during and after it.
@@ -402,6 +418,7 @@ step() {
     bench) "$BIN/berrylm-bench" --device cuda --dtype bf16 --layers 8 \
         --prefill 512,4096,16384 --decode 1,8,64 ${OUT:+--json "$OUT/bench.json"} ;;
     paged) "$BIN/test-server_paged" --ignored --test-threads 1 ;;
+    paged-prefix) "$BIN/test-paged_prefix" --ignored --test-threads 1 ;;
     invariance-paged) BERRYLM_SERVER_ARGS="--paged-attn on --pa-memory-mb 1024" \
         "$BIN/test-server_invariance" --test-threads 1 ;;
     invariance-contiguous) BERRYLM_SERVER_ARGS="--paged-attn off" \
@@ -436,6 +453,7 @@ step() {
     scale-isq) scale_isq ;;
     scale-interference) with_scale_server 64 interference_clients ;;
     scale-ttft) with_scale_server 1 ttft_clients ;;
+    scale-prefix) with_scale_server 1 prefix_clients ;;
     scale-soak) with_scale_server 256 soak_clients ;;
     model-errors) cc -O2 -shared -fPIC -o "$BIN/libcuda_fault_shim.so" tools/cuda_fault_shim.c -ldl &&
         BERRYLM_CUDA_FAULT_SHIM="$BIN/libcuda_fault_shim.so" \

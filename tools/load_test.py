@@ -984,6 +984,16 @@ def make_prompt(kind, tokens, rng, vocab):
     return " ".join(rng.choice(COMMON_WORDS) for _ in range(tokens))
 
 
+def sweep_prompt(args, kind, tokens, rng):
+    """A sweep prompt of `tokens` tokens: the --shared-prefix-tokens of the prefix every sweep prompt
+    shares (the same seeded tokens), then tokens of its own."""
+    own = make_prompt(kind, tokens - args.shared_prefix_tokens, rng, args.vocab_range)
+    if not args.shared_prefix_tokens:
+        return own
+    prefix = make_prompt(kind, args.shared_prefix_tokens, random.Random(f"{args.seed}:prefix"), args.vocab_range)
+    return prefix + own if kind == "ids" else f"{prefix} {own}"
+
+
 def text_kind(kind):
     """Chat messages are text: token ids become English words there."""
     return "words" if kind == "ids" else kind
@@ -1163,7 +1173,7 @@ async def sweep_part(client, args, kind, indices, prompt_tokens, output_tokens, 
                 return
             record = Record("sweep", index)
             records.append(record)
-            prompt = make_prompt(kind, prompt_tokens, rng, args.vocab_range)
+            prompt = sweep_prompt(args, kind, prompt_tokens, rng)
             await stream_request(client, "/v1/completions", completion_body(args, prompt, output_tokens), record)
             record.text = []  # not needed, and it would travel back from a worker process
             sent += 1
@@ -1261,14 +1271,14 @@ async def sweep_prepare(client, args, notes):
     rng = random.Random(f"{args.seed}:warmup")
     for _ in range(args.warmup):
         record = Record("warmup")
-        prompt = make_prompt(kind, args.prompt_tokens[0], rng, args.vocab_range)
+        prompt = sweep_prompt(args, kind, args.prompt_tokens[0], rng)
         await stream_request(client, "/v1/completions", completion_body(args, prompt, args.output_tokens[0]), record)
         if record.failed:
             print(f"warm-up request failed: {record.error_kind}: {record.error_text}")
     measured = {}
     if not args.no_probe:
         for length in args.prompt_tokens:
-            _, tokens, _ = await probe_prompt(client, args, make_prompt(kind, length, rng, args.vocab_range))
+            _, tokens, _ = await probe_prompt(client, args, sweep_prompt(args, kind, length, rng))
             measured[length] = tokens
     return kind, findings, measured
 
@@ -2031,6 +2041,10 @@ def parse_mode_args(mode, argv):
                                  "so that parsing the streams does not delay their time stamps")
         parser.add_argument("--no-probe", action="store_true",
                             help="skip the per-length probe that measures the server's prompt_tokens")
+        parser.add_argument("--shared-prefix-tokens", type=int, default=0, metavar="N",
+                            help="every prompt begins with the same N tokens (a shared system prompt or "
+                                 "document: after the first request, a server's prefix cache holds them); "
+                                 "less than every --prompt-tokens (default 0)")
     elif mode == "interference":
         parser.add_argument("--clients", type=positive(int), default=16, help="decoding streams (default 16)")
         parser.add_argument("--prompt-tokens", type=positive(int), default=128, help="their prompt length (default 128)")
@@ -2084,6 +2098,8 @@ def parse_mode_args(mode, argv):
             parser.error("--min-prompt-tokens must be at most --max-prompt-tokens")
         if args.server_pid and not os.path.exists(f"/proc/{args.server_pid}/status"):
             parser.error(f"--server-pid {args.server_pid}: no /proc/{args.server_pid}/status")
+    if mode == "sweep" and not 0 <= args.shared_prefix_tokens < min(args.prompt_tokens):
+        parser.error("--shared-prefix-tokens must be 0 or more and less than every --prompt-tokens")
     if mode == "sweep" and args.warmup_rounds < 0:
         parser.error("--warmup-rounds must be 0 or more")
     if mode == "sweep" and args.warmup < 0:

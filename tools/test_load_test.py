@@ -66,6 +66,7 @@ class FakeServer:
         self.streams = 0
         self.disconnects = 0
         self.prompt_types = set()
+        self.prompts = []
         self.chat_roles = []
         self.metrics_hits = 0
         self.active = 0  # streams being answered
@@ -106,6 +107,7 @@ class FakeServer:
                     prompt = request.get("prompt")
                     with server.lock:
                         server.prompt_types.add(type(prompt).__name__)
+                        server.prompts.append(prompt)
                     if isinstance(prompt, list) and not server.accept_token_ids:
                         self.reply(422, b"Failed to deserialize the JSON body into the target type: prompt: "
                                         b"invalid type: sequence, expected a string", "text/plain")
@@ -367,6 +369,33 @@ def test_sweep_sends_token_ids_when_the_server_takes_them():
     # The cell's clients ran in two processes; their records came back and were counted together.
     assert cell["client_processes"] == 2 and "2 client processes" in out
     assert cell["requests"] == 8 and cell["completed"] == 8 and cell["output_tokens"] == 24
+
+
+def test_sweep_prompts_share_a_prefix_when_asked():
+    with FakeServer() as server:
+        status, out, figures = run_tool([
+            "sweep", "--url", server.url, "--concurrency", "2", "--prompt-tokens", "24,40", "--output-tokens", "2",
+            "--requests-per-client", "2", "--shared-prefix-tokens", "10",
+        ])
+    assert status == 0, out
+    assert [c["prompt_tokens_measured"] for c in figures["cells"]] == [24, 40]
+    # The probes of the prompt kind, then t<id> words: the warm-up, the length probes and the cells' requests.
+    prompts = [p.split() for p in server.prompts if isinstance(p, str) and len(p.split()) in (24, 40)]
+    assert len(prompts) == 1 + 2 + 2 * 2 * 2, len(prompts)
+    assert all(words[:10] == prompts[0][:10] for words in prompts)
+    assert len({tuple(words[10:]) for words in prompts}) == len(prompts)
+
+
+def test_a_shared_prefix_must_be_shorter_than_every_prompt():
+    errors = io.StringIO()
+    with contextlib.redirect_stderr(errors):
+        try:
+            load_test.main(["sweep", "--url", "http://127.0.0.1:9", "--prompt-tokens", "64,16",
+                            "--shared-prefix-tokens", "16"])
+            code = 0
+        except SystemExit as exit:
+            code = exit.code
+    assert code == 2 and "--shared-prefix-tokens" in errors.getvalue(), errors.getvalue()
 
 
 def test_malformed_streams_are_counted_errors():
