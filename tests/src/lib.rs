@@ -103,6 +103,17 @@ impl Fixture {
     }
 }
 
+/// The bundled trained model (`trained-tiny`) in bf16 on the first CUDA
+/// device, as the GPU tests of the plugin's forward load it.
+pub fn bundled_model_on_cuda() -> Result<BerryLm> {
+    let device = berrylm::device::open_cuda(0)?;
+    load_checkpoint(
+        &fixtures_dir().join("trained-tiny").join("model"),
+        DType::BF16,
+        &device,
+    )
+}
+
 /// Largest absolute element-wise difference.
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
     let a = a.to_dtype(DType::F32)?;

@@ -13,9 +13,9 @@
 //! (BERRYLM_FIXTURES=<repo>/tests/fixtures).
 
 use anyhow::{Context, Result};
-use berrylm::driver::{load_checkpoint, Driver};
+use berrylm::driver::Driver;
 use berrylm::graph_batches::GraphBatches;
-use berrylm_tests::{f32_bits, fixtures_dir};
+use berrylm_tests::{bundled_model_on_cuda, f32_bits};
 use candle_core::{DType, Tensor, D};
 
 /// Prompt tokens per sequence.
@@ -32,12 +32,7 @@ fn replayed_decode_steps_equal_the_eager_ones() -> Result<()> {
         .with_test_writer()
         .with_env_filter("warn")
         .try_init();
-    let device = berrylm::device::open_cuda(0)?;
-    let model = load_checkpoint(
-        &fixtures_dir().join("trained-tiny").join("model"),
-        DType::BF16,
-        &device,
-    )?;
+    let model = bundled_model_on_cuda()?;
     for batch in [1, 2, 3, 4, 8, 9, 16, 32, 40, 64, 128, 200, 256] {
         compare_at(&model, batch).with_context(|| format!("batch {batch}"))?;
     }

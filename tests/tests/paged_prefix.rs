@@ -10,9 +10,8 @@
 //! (BERRYLM_FIXTURES=<repo>/tests/fixtures).
 
 use anyhow::Result;
-use berrylm::driver::{load_checkpoint, Driver};
-use berrylm_tests::{f32_bits, fixtures_dir};
-use candle_core::DType;
+use berrylm::driver::Driver;
+use berrylm_tests::{bundled_model_on_cuda, f32_bits};
 
 /// Tokens of each step after the prompt: across a paged block's end (32
 /// tokens), one token alone (the host's prefix hit that leaves only the
@@ -22,12 +21,7 @@ const CHUNKS: [usize; 4] = [40, 24, 1, 37];
 #[test]
 #[ignore = "needs a CUDA device: run with --ignored on the GPU machine"]
 fn prompts_after_a_prefix_hit_equal_the_contiguous_continuation() -> Result<()> {
-    let device = berrylm::device::open_cuda(0)?;
-    let model = load_checkpoint(
-        &fixtures_dir().join("trained-tiny").join("model"),
-        DType::BF16,
-        &device,
-    )?;
+    let model = bundled_model_on_cuda()?;
     let sequences = 3;
     let vocab = model.config().vocab_size as u32;
     let total: usize = CHUNKS.iter().sum();

@@ -29,6 +29,19 @@ const PAGED: [&str; 6] = [
 ];
 const CONTIGUOUS: [&str; 4] = ["--dtype", "f32", "--paged-attn", "off"];
 
+/// A bf16 server of `fixture` with paged attention and one without.
+fn bf16_servers(fixture: &Fixture) -> Result<(Server, Server)> {
+    let bf16 = |args: &[&'static str]| -> Vec<&'static str> {
+        args.iter()
+            .map(|arg| if *arg == "f32" { "bf16" } else { arg })
+            .collect()
+    };
+    Ok((
+        Server::start(&fixture.model_dir, &bf16(&PAGED))?,
+        Server::start(&fixture.model_dir, &bf16(&CONTIGUOUS))?,
+    ))
+}
+
 /// A prompt of words every fixture's tokenizer knows.
 fn prompt_for(fixture: &str) -> &'static str {
     match fixture {
@@ -129,13 +142,7 @@ fn paged_and_contiguous_kv_give_the_same_logprobs_on_the_trained_model() -> Resu
 #[ignore = "needs a CUDA build of the host (paged attention); run on the GPU machine"]
 fn paged_and_contiguous_kv_give_the_same_answers_in_bf16_on_the_trained_model() -> Result<()> {
     let fixture = Fixture::load("trained-tiny")?;
-    let bf16 = |args: &[&'static str]| -> Vec<&'static str> {
-        args.iter()
-            .map(|arg| if *arg == "f32" { "bf16" } else { arg })
-            .collect()
-    };
-    let paged = Server::start(&fixture.model_dir, &bf16(&PAGED))?;
-    let contiguous = Server::start(&fixture.model_dir, &bf16(&CONTIGUOUS))?;
+    let (paged, contiguous) = bf16_servers(&fixture)?;
     let sequences = fixture.facts["sequences"].as_array().context("sequences")?;
     let mut differences = Vec::new();
     for sequence in sequences.iter().take(2) {
@@ -172,13 +179,7 @@ fn paged_and_contiguous_kv_give_the_same_answers_in_bf16_on_the_trained_model() 
 #[ignore = "needs a CUDA build of the host (paged attention); run on the GPU machine"]
 fn a_prompt_after_a_prefix_hit_gives_the_contiguous_answer_in_bf16() -> Result<()> {
     let fixture = Fixture::load("trained-tiny")?;
-    let bf16 = |args: &[&'static str]| -> Vec<&'static str> {
-        args.iter()
-            .map(|arg| if *arg == "f32" { "bf16" } else { arg })
-            .collect()
-    };
-    let paged = Server::start(&fixture.model_dir, &bf16(&PAGED))?;
-    let contiguous = Server::start(&fixture.model_dir, &bf16(&CONTIGUOUS))?;
+    let (paged, contiguous) = bf16_servers(&fixture)?;
     let question = "What is 7 + 5?";
     let answer = greedy_chat_message(&paged, &json!([{"role": "user", "content": question}]))?;
     let follow_up = json!({

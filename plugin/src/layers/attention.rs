@@ -255,14 +255,7 @@ impl GatedAttention {
         metadata: &PagedAttentionInputMetadata,
     ) -> Result<Tensor> {
         let location = q_tokens.device().location();
-        let block_tables = on_device(
-            metadata
-                .full_block_tables
-                .as_ref()
-                .or(metadata.block_tables.as_ref()),
-            &location,
-            "block tables",
-        )?;
+        let block_tables = full_block_tables(metadata, &location)?;
         let context_lens = on_device(
             metadata
                 .full_context_lens
@@ -302,14 +295,7 @@ impl GatedAttention {
         let (keys, values) = gather_paged_kv(
             key_cache,
             value_cache,
-            on_device(
-                metadata
-                    .full_block_tables
-                    .as_ref()
-                    .or(metadata.block_tables.as_ref()),
-                &location,
-                "block tables",
-            )?,
+            full_block_tables(metadata, &location)?,
             on_device(
                 metadata.cu_seqlens_kv.as_ref(),
                 &location,
@@ -452,6 +438,22 @@ fn on_device<'a>(
     tensors
         .and_then(|tensors| tensors.get(location))
         .ok_or_else(|| candle_core::Error::Msg(format!("no paged {what} for this device")))
+}
+
+/// The block tables of the whole context on `location` (the full tables
+/// where the host keeps windowed ones too).
+fn full_block_tables<'a>(
+    metadata: &'a PagedAttentionInputMetadata,
+    location: &DeviceLocation,
+) -> Result<&'a Tensor> {
+    on_device(
+        metadata
+            .full_block_tables
+            .as_ref()
+            .or(metadata.block_tables.as_ref()),
+        location,
+        "block tables",
+    )
 }
 
 /// Whether a prompt's attention runs tiled (`berrylm_kernels::causal_attention`):
