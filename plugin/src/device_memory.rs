@@ -10,13 +10,10 @@
 //!
 //! Memory kept in the pool counts as used in the device's free-memory
 //! figure, from which the host sizes a paged KV cache. So the threshold is
-//! raised only while a model on the device needs it, and what the load
-//! itself freed (the checkpoint's tensors replaced by their stacked or
-//! converted copies) goes back to the system once the model is built,
-//! before the host sizes the cache. When the last model is dropped (an
-//! unload), the threshold returns to the driver's default and the pool is
-//! trimmed, and the unload's synchronisation returns what the model and its
-//! cache free to the system, for the next load to find.
+//! raised only while a model on the device needs it: when the last one is
+//! dropped (an unload), the threshold returns to the driver's default and
+//! the pool is trimmed, and the unload's synchronisation returns what the
+//! model and its cache free to the system, for the next load to find.
 
 use std::collections::BTreeMap;
 use std::sync::{Mutex, PoisonError};
@@ -61,25 +58,6 @@ impl PooledFreedMemory {
         Ok(Self {
             pool: Some((ordinal, pool)),
         })
-    }
-}
-
-impl PooledFreedMemory {
-    /// Returns the memory the device's pool holds unused to the system, once
-    /// the work queued on `device`'s stream (which frees it) is done; the
-    /// threshold stays raised.
-    pub fn release_unused(&self, device: &Device) -> Result<()> {
-        let (Some((_, pool)), Device::Cuda(cuda)) = (self.pool, device) else {
-            return Ok(());
-        };
-        cuda.cuda_stream()
-            .synchronize()
-            .map_err(candle_core::Error::wrap)?;
-        // SAFETY: `pool` is the device's default pool, alive as long as the
-        // process.
-        unsafe { sys::cuMemPoolTrimTo(pool, 0) }
-            .result()
-            .map_err(candle_core::Error::wrap)
     }
 }
 

@@ -257,8 +257,6 @@ impl BerryLm {
             embed_tokens.dtype(),
             &device,
         )?;
-        #[cfg(feature = "cuda")]
-        pooled_memory.release_unused(&device)?;
         Ok(BerryLm {
             cfg,
             embed_tokens,
