@@ -1268,6 +1268,14 @@ async def sweep_prepare(client, args, notes):
     kind, findings = await resolve_prompt_kind(client, args, notes)
     for note in notes:
         print(note)
+    if args.shared_prefix_tokens:
+        # The bare prefix first: a hybrid model's server resumes a prompt only where it kept the recurrent
+        # state, and keeps one where a prompt it ran ended.
+        record = Record("warmup")
+        prefix = make_prompt(kind, args.shared_prefix_tokens, random.Random(f"{args.seed}:prefix"), args.vocab_range)
+        await stream_request(client, "/v1/completions", completion_body(args, prefix, 1), record)
+        if record.failed:
+            print(f"the shared prefix's request failed: {record.error_kind}: {record.error_text}")
     rng = random.Random(f"{args.seed}:warmup")
     for _ in range(args.warmup):
         record = Record("warmup")
@@ -2043,8 +2051,8 @@ def parse_mode_args(mode, argv):
                             help="skip the per-length probe that measures the server's prompt_tokens")
         parser.add_argument("--shared-prefix-tokens", type=int, default=0, metavar="N",
                             help="every prompt begins with the same N tokens (a shared system prompt or "
-                                 "document: after the first request, a server's prefix cache holds them); "
-                                 "less than every --prompt-tokens (default 0)")
+                                 "document), sent alone before the warm-up so that a server's prefix cache "
+                                 "holds them; less than every --prompt-tokens (default 0)")
     elif mode == "interference":
         parser.add_argument("--clients", type=positive(int), default=16, help="decoding streams (default 16)")
         parser.add_argument("--prompt-tokens", type=positive(int), default=128, help="their prompt length (default 128)")

@@ -379,10 +379,12 @@ def test_sweep_prompts_share_a_prefix_when_asked():
         ])
     assert status == 0, out
     assert [c["prompt_tokens_measured"] for c in figures["cells"]] == [24, 40]
-    # The probes of the prompt kind, then t<id> words: the warm-up, the length probes and the cells' requests.
-    prompts = [p.split() for p in server.prompts if isinstance(p, str) and len(p.split()) in (24, 40)]
-    assert len(prompts) == 1 + 2 + 2 * 2 * 2, len(prompts)
-    assert all(words[:10] == prompts[0][:10] for words in prompts)
+    # After the probes of the prompt kind, the prefix alone, then the warm-up, the length probes and the
+    # cells' requests.
+    words = [p.split() for p in server.prompts if isinstance(p, str) and len(p.split()) in (10, 24, 40)]
+    prefix, prompts = words[0], words[1:]
+    assert len(prefix) == 10 and len(prompts) == 1 + 2 + 2 * 2 * 2, len(prompts)
+    assert all(words[:10] == prefix for words in prompts)
     assert len({tuple(words[10:]) for words in prompts}) == len(prompts)
 
 
