@@ -174,6 +174,7 @@ impl GatedAttention {
                     write_paged_cache(&k_tokens, &v_tokens, &key_value, metadata)?;
                     self.causal_attention(&q, &k, &v)?
                 } else if tiled && mask.is_some() {
+                    // A prompt after a prefix-cache hit.
                     write_paged_cache(&k_tokens, &v_tokens, &key_value, metadata)?;
                     self.prefix_hit_attention(&q, &key_value, metadata)?
                 } else if tiled && seq_len == 1 && self.decodes_paged(&key_value.0, metadata)? {
