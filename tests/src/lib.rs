@@ -101,6 +101,24 @@ impl Fixture {
     pub fn model(&self, dtype: DType) -> Result<BerryLm> {
         load_checkpoint(&self.model_dir, dtype, &Device::Cpu)
     }
+
+    /// The reference's greedy answer to golden sequence `index` (a chat
+    /// fixture's `greedy_completion_text`): its reasoning and what follows
+    /// `</think>` without the end-of-turn token, both trimmed.
+    pub fn reference_answer(&self, index: usize) -> Result<(String, String)> {
+        let text = self.facts["sequences"][index]["greedy_completion_text"]
+            .as_str()
+            .with_context(|| {
+                format!("{}: sequence {index}: no greedy_completion_text", self.name)
+            })?;
+        let (reasoning, rest) = text
+            .split_once("</think>")
+            .with_context(|| format!("{}: sequence {index}: no </think>", self.name))?;
+        Ok((
+            reasoning.trim().to_string(),
+            rest.trim_end_matches("<|im_end|>").trim().to_string(),
+        ))
+    }
 }
 
 /// The bundled trained model (`trained-tiny`) in bf16 on the first CUDA

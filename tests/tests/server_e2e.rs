@@ -27,19 +27,15 @@ fn serves_the_bundled_model_and_answers_like_the_reference() -> Result<()> {
     let (status, response) = server.post("/v1/chat/completions", &request)?;
     assert_eq!(status, 200, "{response}");
     let message = &response["choices"][0]["message"];
-    let reference = sequence["greedy_completion_text"]
-        .as_str()
-        .unwrap_or_default();
-    let (reasoning, rest) = reference.split_once("</think>").unwrap_or(("", reference));
-    let content = rest.trim_end_matches("<|im_end|>");
+    let (reasoning, content) = fixture.reference_answer(0)?;
     assert_eq!(
         message["reasoning_content"].as_str().map(str::trim),
-        Some(reasoning.trim()),
+        Some(reasoning.as_str()),
         "{response}"
     );
     assert_eq!(
         message["content"].as_str().map(str::trim),
-        Some(content.trim()),
+        Some(content.as_str()),
         "{response}"
     );
     Ok(())

@@ -39,19 +39,6 @@ fn responses_request(fixture: &Fixture, index: usize, stream: bool) -> Result<Va
     Ok(request)
 }
 
-/// The reference's greedy answer to golden sequence `index`: its reasoning
-/// and what follows `</think>`, without the end-of-turn token.
-fn reference(fixture: &Fixture, index: usize) -> Result<(String, String)> {
-    let text = fixture.facts["sequences"][index]["greedy_completion_text"]
-        .as_str()
-        .context("greedy_completion_text")?;
-    let (reasoning, rest) = text.split_once("</think>").context("no </think>")?;
-    Ok((
-        reasoning.trim().to_string(),
-        rest.trim_end_matches("<|im_end|>").trim().to_string(),
-    ))
-}
-
 fn text_of(value: &Value) -> &str {
     value.as_str().map(str::trim).unwrap_or_default()
 }
@@ -62,7 +49,7 @@ fn text_of(value: &Value) -> &str {
 fn answers_in_text_as_the_reference_whole_and_streamed() -> Result<()> {
     let (fixture, server) = served()?;
     for index in [0, 1] {
-        let (reasoning, text) = reference(&fixture, index)?;
+        let (reasoning, text) = fixture.reference_answer(index)?;
         let (status, whole) =
             server.post("/v1/responses", &responses_request(&fixture, index, false)?)?;
         assert_eq!(status, 200, "{whole}");
@@ -92,7 +79,7 @@ fn answers_in_text_as_the_reference_whole_and_streamed() -> Result<()> {
 #[test]
 fn calls_the_reference_tool_whole_and_streamed() -> Result<()> {
     let (fixture, server) = served()?;
-    let (reasoning, rest) = reference(&fixture, 2)?;
+    let (reasoning, rest) = fixture.reference_answer(2)?;
     assert!(
         rest.contains("<function=get_weather>") && rest.contains("Oslo"),
         "{rest}"
@@ -162,7 +149,7 @@ fn calls_the_reference_tool_whole_and_streamed() -> Result<()> {
 #[test]
 fn answers_after_a_function_call_output_as_the_reference() -> Result<()> {
     let (fixture, server) = served()?;
-    let (reasoning, text) = reference(&fixture, 4)?;
+    let (reasoning, text) = fixture.reference_answer(4)?;
     let sequence = &fixture.facts["sequences"][4];
     let messages = sequence["messages"].as_array().context("messages")?;
     let call = &messages[1]["tool_calls"][0]["function"];
