@@ -984,13 +984,17 @@ def make_prompt(kind, tokens, rng, vocab):
     return " ".join(rng.choice(COMMON_WORDS) for _ in range(tokens))
 
 
+def shared_prefix(args, kind):
+    """The --shared-prefix-tokens every sweep prompt begins with: the same seeded tokens every time."""
+    return make_prompt(kind, args.shared_prefix_tokens, random.Random(f"{args.seed}:prefix"), args.vocab_range)
+
+
 def sweep_prompt(args, kind, tokens, rng):
-    """A sweep prompt of `tokens` tokens: the --shared-prefix-tokens of the prefix every sweep prompt
-    shares (the same seeded tokens), then tokens of its own."""
+    """A sweep prompt of `tokens` tokens: the shared prefix (shared_prefix), then tokens of its own."""
     own = make_prompt(kind, tokens - args.shared_prefix_tokens, rng, args.vocab_range)
     if not args.shared_prefix_tokens:
         return own
-    prefix = make_prompt(kind, args.shared_prefix_tokens, random.Random(f"{args.seed}:prefix"), args.vocab_range)
+    prefix = shared_prefix(args, kind)
     return prefix + own if kind == "ids" else f"{prefix} {own}"
 
 
@@ -1272,8 +1276,7 @@ async def sweep_prepare(client, args, notes):
         # The bare prefix first: a hybrid model's server resumes a prompt only where it kept the recurrent
         # state, and keeps one where a prompt it ran ended.
         record = Record("warmup")
-        prefix = make_prompt(kind, args.shared_prefix_tokens, random.Random(f"{args.seed}:prefix"), args.vocab_range)
-        await stream_request(client, "/v1/completions", completion_body(args, prefix, 1), record)
+        await stream_request(client, "/v1/completions", completion_body(args, shared_prefix(args, kind), 1), record)
         if record.failed:
             print(f"the shared prefix's request failed: {record.error_kind}: {record.error_text}")
     rng = random.Random(f"{args.seed}:warmup")
