@@ -35,7 +35,7 @@
 # parameters, stop sequences and seeds against the reference, with paged attention), scale-ttft (the time to first token of single
 # prompts of 4k to 128k tokens on that checkpoint), scale-prefix (the same
 # for prompts after a prefix-cache hit: a shared 16k-token prefix, then 4k or
-# 16k new tokens), scale-interference (16
+# 16k new tokens; the scale steps' servers take $SCALE_SERVER_ARGS too), scale-interference (16
 # streams on that checkpoint while a
 # $SCALE_LONG_PROMPT-token prompt, default 32768, prefills), scale-soak (the
 # load tool's soak on that checkpoint: $SOAK_CLIENTS clients, default 256, for
@@ -255,12 +255,15 @@ scale_align_isq() {
 }
 
 # Serves the 40-layer checkpoint (paged attention, a 16 GiB KV pool, at most
-# $1 sequences) and runs the rest of the arguments, a command, against it.
+# $1 sequences, $SCALE_SERVER_ARGS added, e.g. "--pa-cache-type f8e4m3") and
+# runs the rest of the arguments, a command, against it.
 with_scale_server() {
     local max_seqs="$1" code
     shift
     scale_checkpoint || return 1
-    start_server "$SCALE_CHECKPOINT" "$SCALE_PORT" --dtype bf16 --max-seqs "$max_seqs" --pa-memory-mb 16384
+    # shellcheck disable=SC2086 # $SCALE_SERVER_ARGS is a list of arguments
+    start_server "$SCALE_CHECKPOINT" "$SCALE_PORT" --dtype bf16 --max-seqs "$max_seqs" --pa-memory-mb 16384 \
+        ${SCALE_SERVER_ARGS:-}
     code=$?
     if [ "$code" -eq 0 ]; then
         "$@"

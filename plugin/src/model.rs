@@ -616,7 +616,7 @@ impl BerryLm {
         let (_, seq_len) = batch.input_ids.dims2()?;
         // The tiled attention is causal by itself; the matrix, `T x (past + T)`
         // elements built on the CPU, is only read by the eager attention and by
-        // the host's paged prompt attention (over FP8 blocks). Prefix hits
+        // the host's paged prompt attention (in f32). Prefix hits
         // under paged attention get per-sequence masks from the host.
         let paged_key_cache = paged
             .and_then(|paged| paged.blocks.first())

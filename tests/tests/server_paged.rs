@@ -29,16 +29,18 @@ const PAGED: [&str; 6] = [
 ];
 const CONTIGUOUS: [&str; 4] = ["--dtype", "f32", "--paged-attn", "off"];
 
+/// `args` with `--dtype bf16` for `--dtype f32`.
+fn in_bf16(args: &[&'static str]) -> Vec<&'static str> {
+    args.iter()
+        .map(|arg| if *arg == "f32" { "bf16" } else { arg })
+        .collect()
+}
+
 /// A bf16 server of `fixture` with paged attention and one without.
 fn bf16_servers(fixture: &Fixture) -> Result<(Server, Server)> {
-    let bf16 = |args: &[&'static str]| -> Vec<&'static str> {
-        args.iter()
-            .map(|arg| if *arg == "f32" { "bf16" } else { arg })
-            .collect()
-    };
     Ok((
-        Server::start(&fixture.model_dir, &bf16(&PAGED))?,
-        Server::start(&fixture.model_dir, &bf16(&CONTIGUOUS))?,
+        Server::start(&fixture.model_dir, &in_bf16(&PAGED))?,
+        Server::start(&fixture.model_dir, &in_bf16(&CONTIGUOUS))?,
     ))
 }
 
@@ -180,21 +182,41 @@ fn paged_and_contiguous_kv_give_the_same_answers_in_bf16_on_the_trained_model() 
 fn a_prompt_after_a_prefix_hit_gives_the_contiguous_answer_in_bf16() -> Result<()> {
     let fixture = Fixture::load("trained-tiny")?;
     let (paged, contiguous) = bf16_servers(&fixture)?;
+    prefix_hit_answers_as_the_contiguous_server(&paged, &contiguous)
+}
+
+/// The same over an FP8 paged KV cache: the prompt after the hit reads the
+/// cached keys and values dequantized with the scales they were written with.
+#[test]
+#[ignore = "needs a CUDA build of the host (paged attention); run on the GPU machine"]
+fn a_prompt_after_a_prefix_hit_over_an_fp8_kv_cache_gives_the_contiguous_answer_in_bf16(
+) -> Result<()> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let mut fp8 = in_bf16(&PAGED);
+    fp8.extend(["--pa-cache-type", "f8e4m3"]);
+    let paged = Server::start(&fixture.model_dir, &fp8)?;
+    let contiguous = Server::start(&fixture.model_dir, &in_bf16(&CONTIGUOUS))?;
+    prefix_hit_answers_as_the_contiguous_server(&paged, &contiguous)
+}
+
+/// A conversation extending one `paged` finished hits its prefix cache and is
+/// answered as `contiguous` answers the whole conversation, up to a near-tie.
+fn prefix_hit_answers_as_the_contiguous_server(paged: &Server, contiguous: &Server) -> Result<()> {
     let question = "What is 7 + 5?";
-    let answer = greedy_chat_message(&paged, &json!([{"role": "user", "content": question}]))?;
+    let answer = greedy_chat_message(paged, &json!([{"role": "user", "content": question}]))?;
     let follow_up = json!({
         "model": "default",
         "messages": follow_up_messages(question, &answer, "And what is 12 + 30? Explain it step by step."),
         "temperature": 0.0,
         "max_tokens": 48,
     });
-    let after_hit = chosen_logprobs(&paged, &follow_up)?;
+    let after_hit = chosen_logprobs(paged, &follow_up)?;
     let hits = paged.prompt_forwards_after_a_cache_hit();
     assert!(
         !hits.is_empty(),
         "the extended conversation did not hit the prefix cache"
     );
-    let whole = chosen_logprobs(&contiguous, &follow_up)?;
+    let whole = chosen_logprobs(contiguous, &follow_up)?;
     assert_same_tokens_up_to_a_near_tie(&whole, &after_hit)
 }
 

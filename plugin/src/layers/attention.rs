@@ -170,15 +170,17 @@ impl GatedAttention {
                 Some(paged),
             ) => {
                 let tiled = uses_tiled_attention(q.device(), q.dtype(), Some(key_value.0.dtype()));
+                let write_cache =
+                    || write_paged_cache(paged, &k_tokens, &v_tokens, &key_value, metadata);
                 if tiled && is_uncached_prompt(mask, metadata) {
-                    write_paged_cache(&k_tokens, &v_tokens, &key_value, metadata)?;
+                    write_cache()?;
                     self.causal_attention(&q, &k, &v)?
                 } else if tiled && mask.is_some() {
                     // A prompt after a prefix-cache hit.
-                    write_paged_cache(&k_tokens, &v_tokens, &key_value, metadata)?;
-                    self.prefix_hit_attention(&q, &key_value, metadata)?
+                    write_cache()?;
+                    self.prefix_hit_attention(paged, &q, &key_value, metadata)?
                 } else if tiled && seq_len == 1 && self.decodes_paged(&key_value.0, metadata)? {
-                    write_paged_cache(&k_tokens, &v_tokens, &key_value, metadata)?;
+                    write_cache()?;
                     self.paged_decode_attention(&q_tokens, &key_value, metadata)?
                 } else {
                     paged.forward(
@@ -281,10 +283,11 @@ impl GatedAttention {
     /// The attention of prompts whose first positions the prefix cache
     /// supplied (`q` `[B, heads, T, hd]`; their new keys and values already
     /// in the blocks): each sequence's cached and new keys and values
-    /// gathered from its blocks, then [`attend_each_sequence`] with the tiled
-    /// kernel.
+    /// gathered from its blocks in `q`'s dtype (an FP8 cache's dequantized
+    /// with its scales), then [`attend_each_sequence`] with the tiled kernel.
     fn prefix_hit_attention(
         &self,
+        paged: &PagedAttention,
         q: &Tensor,
         (key_cache, value_cache): &(Tensor, Tensor),
         metadata: &PagedAttentionInputMetadata,
@@ -293,7 +296,7 @@ impl GatedAttention {
             candle_core::bail!("a prompt after a prefix-cache hit without its token counts")
         };
         let location = q.device().location();
-        let (keys, values) = gather_paged_kv(
+        let (keys, values) = paged.gather_cache(
             key_cache,
             value_cache,
             full_block_tables(metadata, &location)?,
@@ -302,6 +305,7 @@ impl GatedAttention {
                 &location,
                 "cumulative KV lengths",
             )?,
+            q.dtype(),
         )?;
         attend_each_sequence(q, (&keys, &values), (cached, new), |q, k, v| {
             self.causal_attention(q, k, v)
@@ -459,13 +463,14 @@ fn full_block_tables<'a>(
 
 /// Whether a prompt's attention runs tiled (`berrylm_kernels::causal_attention`):
 /// on CUDA in half precision, over the contiguous cache (`paged_key_cache`
-/// `None`) or paged blocks of the activations' dtype (not FP8 ones, which the
-/// host's paged attention reads). The CPU, the oracle, and f32 keep the eager
-/// path.
+/// `None`) or paged blocks of the activations' dtype or of FP8 (whose keys
+/// and values the host's paged attention quantizes as they are written and
+/// dequantizes as a prefix hit gathers them). The CPU, the oracle, and f32
+/// keep the eager path.
 pub fn uses_tiled_attention(device: &Device, dtype: DType, paged_key_cache: Option<DType>) -> bool {
     device.is_cuda()
         && matches!(dtype, DType::BF16 | DType::F16)
-        && paged_key_cache.is_none_or(|cache| cache == dtype)
+        && paged_key_cache.is_none_or(|cache| cache == dtype || cache == DType::F8E4M3)
 }
 
 /// Whether a paged step is a prompt (it has a mask) without a cached prefix:
@@ -474,71 +479,25 @@ fn is_uncached_prompt(mask: Option<&Tensor>, metadata: &PagedAttentionInputMetad
     mask.is_some() && metadata.num_cached_tokens.is_none()
 }
 
-/// Writes a prompt's keys and values (`[B, T, kv_heads, hd]`) into its paged
-/// blocks at the slots the host assigned (padding has none).
-#[cfg(feature = "cuda")]
+/// Writes a step's keys and values (`[B, T, kv_heads, hd]`) into its paged
+/// blocks at the slots the host assigned (padding has none), through the
+/// host's paged attention, which quantizes them for an FP8 cache.
 fn write_paged_cache(
+    paged: &PagedAttention,
     k_tokens: &Tensor,
     v_tokens: &Tensor,
     (key_cache, value_cache): &(Tensor, Tensor),
     metadata: &PagedAttentionInputMetadata,
 ) -> Result<()> {
-    let location = k_tokens.device().location();
-    let slots = on_device(Some(&metadata.slot_mappings), &location, "slots")?.flatten_all()?;
     let (_, _, kv_heads, head_dim) = k_tokens.dims4()?;
     let rows = ((), kv_heads, head_dim);
-    mistralrs_paged_attn::reshape_and_cache(
+    paged.write_cache(
         &k_tokens.reshape(rows)?,
         &v_tokens.reshape(rows)?,
-        None,
-        None,
         key_cache,
         value_cache,
-        &slots,
+        metadata,
     )
-}
-
-/// The keys and values of each sequence's positions, gathered from its
-/// paged blocks (`block_tables`) into `[tokens, kv_heads, hd]` rows, one
-/// sequence after another (`cu_seqlens_kv`, the cumulative lengths).
-#[cfg(feature = "cuda")]
-fn gather_paged_kv(
-    key_cache: &Tensor,
-    value_cache: &Tensor,
-    block_tables: &Tensor,
-    cu_seqlens_kv: &Tensor,
-) -> Result<(Tensor, Tensor)> {
-    mistralrs_paged_attn::gather_kv_cache(
-        key_cache,
-        value_cache,
-        None,
-        None,
-        block_tables,
-        cu_seqlens_kv,
-        key_cache.dtype(),
-    )
-}
-
-/// Paged attention exists only in CUDA builds.
-#[cfg(not(feature = "cuda"))]
-fn gather_paged_kv(
-    _key_cache: &Tensor,
-    _value_cache: &Tensor,
-    _block_tables: &Tensor,
-    _cu_seqlens_kv: &Tensor,
-) -> Result<(Tensor, Tensor)> {
-    candle_core::bail!("paged attention needs a CUDA build")
-}
-
-/// Paged attention exists only in CUDA builds.
-#[cfg(not(feature = "cuda"))]
-fn write_paged_cache(
-    _k_tokens: &Tensor,
-    _v_tokens: &Tensor,
-    _key_value: &(Tensor, Tensor),
-    _metadata: &PagedAttentionInputMetadata,
-) -> Result<()> {
-    candle_core::bail!("paged attention needs a CUDA build")
 }
 
 #[cfg(test)]
