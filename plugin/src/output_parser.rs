@@ -26,7 +26,8 @@ pub struct BerryLmOutputParser {
 enum Stream {
     /// Reasoning, content and tool calls.
     WithToolCalls(Box<BerryLmStreamParser>),
-    /// `tool_choice: none`: reasoning and content only; no call is parsed.
+    /// No tools offered, or `tool_choice: none`: reasoning and content only;
+    /// no call is parsed.
     WithoutToolCalls(ReasoningParser),
 }
 
@@ -58,9 +59,14 @@ impl BerryLmOutputParser {
                 .map(named_tool_call_grammar),
         };
         let options = ParserOptions::new(thinking_enabled, tools);
-        let stream = match request.tool_choice {
-            ToolChoice::None => Stream::WithoutToolCalls(ReasoningParser::new(thinking_enabled)),
-            _ => Stream::WithToolCalls(Box::new(BerryLmStreamParser::new(options.clone()))),
+        // As vLLM and SGLang serve BerryLM: calls are parsed only where the
+        // request offers tools (its own or an MCP server's) and allows them;
+        // otherwise a call the model writes stays in the content as text.
+        let stream = if request.tools.is_empty() || matches!(request.tool_choice, ToolChoice::None)
+        {
+            Stream::WithoutToolCalls(ReasoningParser::new(thinking_enabled))
+        } else {
+            Stream::WithToolCalls(Box::new(BerryLmStreamParser::new(options.clone())))
         };
         BerryLmOutputParser {
             stream,

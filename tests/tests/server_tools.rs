@@ -3,7 +3,7 @@
 //! reference) come back as OpenAI `reasoning_content`, `content` and typed
 //! `tool_calls`, streamed and not.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use berrylm_tests::chat::{
     arguments, assert_call, assert_golden_weather_call, chat_answer, golden_chat_request,
     reasoning, tool_call_message,
@@ -87,6 +87,46 @@ fn reasoning_and_typed_tool_calls_come_back_streamed_and_not() -> Result<()> {
         Some("Hello! How can I help you today?")
     );
     assert!(streamed["tool_calls"].as_array().is_some_and(Vec::is_empty));
+
+    // Without tools the weather question still makes the model write a call;
+    // as vLLM and SGLang serve BerryLM, it stays text: the content is what
+    // the model wrote after its reasoning (the raw text `/v1/completions`
+    // gives for the prompt the template renders without tools, shaped as the
+    // golden sequence 0's), streamed and not, with no `tool_calls`.
+    let question = "What is the weather in Oslo?";
+    let raw = server.complete(
+        &format!("<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n<think>\n"),
+        96,
+    )?;
+    let (raw_reasoning, raw_content) = raw
+        .split_once("</think>")
+        .with_context(|| format!("no </think> in {raw:?}"))?;
+    assert_eq!(raw_reasoning.trim(), WEATHER_REASONING);
+    assert!(
+        raw_content.contains("<function=get_weather>"),
+        "{raw_content:?}"
+    );
+    for stream in [false, true] {
+        let request = json!({
+            "model": "default",
+            "messages": [{"role": "user", "content": question}],
+            "temperature": 0.0,
+            "max_tokens": 96,
+            "stream": stream,
+        });
+        let (message, finish_reason) = chat_answer(&server, &request)?;
+        assert_eq!(finish_reason, "stop", "{message}");
+        assert_eq!(reasoning(&message), Some(WEATHER_REASONING), "{message}");
+        assert_eq!(
+            message["content"].as_str().map(str::trim),
+            Some(raw_content.trim()),
+            "{message}"
+        );
+        assert!(
+            message["tool_calls"].as_array().is_some_and(Vec::is_empty),
+            "{message}"
+        );
+    }
     Ok(())
 }
 
