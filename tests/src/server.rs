@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-use crate::host_binary;
+use crate::{host_binary, without_ansi_escapes};
 
 /// A running `mistralrs serve`; killed when dropped.
 pub struct Server {
@@ -26,24 +26,6 @@ fn server_args_from_environment() -> Vec<String> {
     std::env::var("BERRYLM_SERVER_ARGS")
         .map(|args| args.split_whitespace().map(str::to_string).collect())
         .unwrap_or_default()
-}
-
-/// `text` without ANSI escape sequences (`ESC [ ... letter`).
-fn without_ansi_escapes(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut chars = text.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            for next in chars.by_ref() {
-                if next.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
 }
 
 fn free_port() -> Result<u16> {
