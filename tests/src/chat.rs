@@ -1,6 +1,8 @@
 //! Requests built from trained-tiny's golden sequences (messages, tools and
 //! `enable_thinking` as transformers rendered them).
 
+use std::collections::BTreeSet;
+
 use anyhow::{ensure, Context, Result};
 use serde_json::{json, Value};
 
@@ -37,12 +39,20 @@ pub fn golden_chat_request(sequence: &Value, max_tokens: usize, stream: bool) ->
 /// The message assembled from streamed chunks: text fields concatenated, tool
 /// calls merged by index (id and name from their first delta).
 pub fn assemble(chunks: &[Value]) -> (Value, Option<String>) {
+    assemble_choice(chunks, 0)
+}
+
+/// [`assemble`] for the choice of index `index` of a request for several.
+pub fn assemble_choice(chunks: &[Value], index: u64) -> (Value, Option<String>) {
     let mut content = String::new();
     let mut reasoning = String::new();
     let mut calls: Vec<Value> = Vec::new();
     let mut finish_reason = None;
-    for chunk in chunks {
-        let choice = &chunk["choices"][0];
+    let choices = chunks
+        .iter()
+        .flat_map(|chunk| chunk["choices"].as_array().into_iter().flatten())
+        .filter(|choice| choice["index"].as_u64().unwrap_or(0) == index);
+    for choice in choices {
         if let Some(reason) = choice["finish_reason"].as_str() {
             finish_reason = Some(reason.to_string());
         }
@@ -80,33 +90,57 @@ pub fn assemble(chunks: &[Value]) -> (Value, Option<String>) {
 /// response's message with its tool calls in the same `{id, name,
 /// arguments}` shape (an empty list when it has none).
 pub fn chat_answer(server: &Server, body: &Value) -> Result<(Value, String)> {
+    let mut answers = chat_answers(server, body)?;
+    ensure!(!answers.is_empty(), "no choice in the answer to {body}");
+    Ok(answers.swap_remove(0))
+}
+
+/// [`chat_answer`] for each choice of a request (`n` of them), in the order
+/// of their indices.
+pub fn chat_answers(server: &Server, body: &Value) -> Result<Vec<(Value, String)>> {
     const CHAT: &str = "/v1/chat/completions";
     if body["stream"] == json!(true) {
         let (status, chunks) = server.post_stream(CHAT, body)?;
         ensure!(status == 200, "HTTP {status}: {chunks:?}");
-        let (message, finish_reason) = assemble(&chunks);
-        return Ok((message, finish_reason.unwrap_or_default()));
+        let indices: BTreeSet<u64> = chunks
+            .iter()
+            .flat_map(|chunk| chunk["choices"].as_array().into_iter().flatten())
+            .filter_map(|choice| choice["index"].as_u64())
+            .collect();
+        return Ok(indices
+            .into_iter()
+            .map(|index| {
+                let (message, finish_reason) = assemble_choice(&chunks, index);
+                (message, finish_reason.unwrap_or_default())
+            })
+            .collect());
     }
     let (status, response) = server.post(CHAT, body)?;
     ensure!(status == 200, "HTTP {status}: {response}");
-    let choice = &response["choices"][0];
-    let mut message = choice["message"].clone();
-    let calls = message["tool_calls"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|call| {
-            ensure!(call["type"] == json!("function"), "{response}");
-            Ok(json!({
-                "id": call["id"],
-                "name": call["function"]["name"],
-                "arguments": call["function"]["arguments"],
-            }))
+    let mut choices = response["choices"].as_array().cloned().unwrap_or_default();
+    choices.sort_by_key(|choice| choice["index"].as_u64());
+    choices
+        .iter()
+        .map(|choice| {
+            let mut message = choice["message"].clone();
+            let calls = message["tool_calls"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|call| {
+                    ensure!(call["type"] == json!("function"), "{response}");
+                    Ok(json!({
+                        "id": call["id"],
+                        "name": call["function"]["name"],
+                        "arguments": call["function"]["arguments"],
+                    }))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            message["tool_calls"] = Value::Array(calls);
+            let finish_reason = choice["finish_reason"].as_str().unwrap_or_default();
+            Ok((message, finish_reason.to_string()))
         })
-        .collect::<Result<Vec<_>>>()?;
-    message["tool_calls"] = Value::Array(calls);
-    let finish_reason = choice["finish_reason"].as_str().unwrap_or_default();
-    Ok((message, finish_reason.to_string()))
+        .collect()
 }
 
 /// A tool call's JSON-string `arguments` parsed (null when not JSON).

@@ -2,6 +2,9 @@
 //! model through the OpenAI API (`mistralrs serve -m DIR`).
 
 use anyhow::Result;
+use berrylm_tests::chat::{
+    assert_golden_weather_call, chat_answers, golden_chat_request, reasoning,
+};
 use berrylm_tests::server::Server;
 use berrylm_tests::{fixtures_dir, Fixture};
 
@@ -38,6 +41,51 @@ fn serves_the_bundled_model_and_answers_like_the_reference() -> Result<()> {
         Some(content.as_str()),
         "{response}"
     );
+    Ok(())
+}
+
+/// A request for several choices (`n`) runs each as a sequence of its own,
+/// with a recurrent state of its own: decoded greedily, every choice is the
+/// reference's answer (the weather question's reasoning and call, the
+/// greeting's reasoning and reply), streamed and not.
+#[test]
+fn every_choice_of_a_request_for_several_is_the_reference_answer() -> Result<()> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let server = Server::start(&fixture.model_dir, &["--dtype", "f32"])?;
+    for stream in [false, true] {
+        let mut weather = golden_chat_request(&fixture.facts["sequences"][2], 96, stream)?;
+        weather["n"] = serde_json::json!(3);
+        let answers = chat_answers(&server, &weather)?;
+        assert_eq!(answers.len(), 3, "{answers:?}");
+        let (expected_reasoning, _) = fixture.reference_answer(2)?;
+        for (message, finish_reason) in &answers {
+            assert_eq!(
+                reasoning(message),
+                Some(expected_reasoning.as_str()),
+                "{message}"
+            );
+            assert_golden_weather_call(message, finish_reason);
+        }
+
+        let mut greeting = golden_chat_request(&fixture.facts["sequences"][1], 96, stream)?;
+        greeting["n"] = serde_json::json!(2);
+        let answers = chat_answers(&server, &greeting)?;
+        assert_eq!(answers.len(), 2, "{answers:?}");
+        let (expected_reasoning, expected_content) = fixture.reference_answer(1)?;
+        for (message, finish_reason) in &answers {
+            assert_eq!(finish_reason, "stop", "{message}");
+            assert_eq!(
+                reasoning(message),
+                Some(expected_reasoning.as_str()),
+                "{message}"
+            );
+            assert_eq!(
+                message["content"].as_str().map(str::trim),
+                Some(expected_content.as_str()),
+                "{message}"
+            );
+        }
+    }
     Ok(())
 }
 
