@@ -142,10 +142,13 @@ fn calls_the_reference_tool_whole_and_streamed() -> Result<()> {
     Ok(())
 }
 
-/// The weather question's second turn as Responses input items: the call the
-/// model made (`function_call`) and the tool's result
-/// (`function_call_output`, golden sequence 4's tool message). The model
-/// answers with the reference's text and reasoning.
+/// The weather question's second turn as the OpenAI client gives back a
+/// response's output: the reasoning (`reasoning` item), the call the model
+/// made (`function_call`, with its item id and status) and the tool's result
+/// (`function_call_output`, golden sequence 4's tool message). The endpoint
+/// renders the reasoning and the call as one assistant turn, as the reference
+/// rendered golden sequence 4 (its 318 prompt tokens), and the model answers
+/// with the reference's text and reasoning.
 #[test]
 fn answers_after_a_function_call_output_as_the_reference() -> Result<()> {
     let (fixture, server) = served()?;
@@ -157,10 +160,18 @@ fn answers_after_a_function_call_output_as_the_reference() -> Result<()> {
     request["input"] = json!([
         messages[0],
         {
+            "type": "reasoning",
+            "id": "rs_1",
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": messages[1]["reasoning_content"]}],
+        },
+        {
             "type": "function_call",
+            "id": "fc_1",
             "call_id": "call_1",
             "name": call["name"],
             "arguments": serde_json::to_string(&call["arguments"])?,
+            "status": "completed",
         },
         {
             "type": "function_call_output",
@@ -170,7 +181,61 @@ fn answers_after_a_function_call_output_as_the_reference() -> Result<()> {
     ]);
     let (status, response) = server.post("/v1/responses", &request)?;
     assert_eq!(status, 200, "{response}");
+    assert_eq!(
+        response["usage"]["input_tokens"], sequence["len"],
+        "{response}"
+    );
     assert_answer(&response, &reasoning, &text);
+    Ok(())
+}
+
+/// A conversation's next turn with the earlier answer as a response's message
+/// item gives it back (`output_text` parts, an item id and status): the
+/// endpoint renders it as the chat completions endpoint renders the same
+/// conversation (as many prompt tokens) and answers as it does.
+#[test]
+fn continues_a_conversation_from_an_answer_given_back_as_its_message_item() -> Result<()> {
+    let (fixture, server) = served()?;
+    let greeting = &fixture.facts["sequences"][1]["messages"][0];
+    let question = &fixture.facts["sequences"][0]["messages"][0];
+    let (_, answer) = fixture.reference_answer(1)?;
+    let request = json!({
+        "model": "default",
+        "temperature": 0.0,
+        "max_output_tokens": 64,
+        "input": [
+            greeting,
+            {
+                "type": "message",
+                "id": "msg_1",
+                "role": "assistant",
+                "status": "completed",
+                "content": [{"type": "output_text", "text": answer, "annotations": []}],
+            },
+            question,
+        ],
+    });
+    let (status, response) = server.post("/v1/responses", &request)?;
+    assert_eq!(status, 200, "{response}");
+
+    let chat = json!({
+        "model": "default",
+        "temperature": 0.0,
+        "max_tokens": 64,
+        "messages": [greeting, {"role": "assistant", "content": answer}, question],
+    });
+    let (status, expected) = server.post("/v1/chat/completions", &chat)?;
+    assert_eq!(status, 200, "{expected}");
+    assert_eq!(
+        response["usage"]["input_tokens"], expected["usage"]["prompt_tokens"],
+        "{response}\n{expected}"
+    );
+    let message = &expected["choices"][0]["message"];
+    assert_answer(
+        &response,
+        text_of(&message["reasoning_content"]),
+        text_of(&message["content"]),
+    );
     Ok(())
 }
 
