@@ -319,6 +319,16 @@ def check_responses(client, greeting, weather):
         final = stream.get_final_response()
     check(deltas.strip() == golden_content(greeting), f"streamed responses text {deltas!r}")
     check(final.output_text.strip() == golden_content(greeting), f"final responses text {final.output_text!r}")
+    for answer in [response, final]:
+        first = answer.output[0]
+        check(first.type == "reasoning" and first.content[0].text.strip() == golden_reasoning(greeting),
+              f"responses reasoning item {answer.output!r}")
+    # The conversation goes on with the answer's output given back as it came,
+    # as OpenAI's guide to conversation state does it.
+    follow_up = client.responses.create(
+        **dict(args, input=greeting["messages"] + final.output + [{"role": "user", "content": "What is 7 + 5?"}]))
+    check(follow_up.output[0].type == "reasoning" and follow_up.output_text.strip() != "",
+          f"responses follow-up {follow_up.output!r}")
 
     tools = [dict(type="function", **tool["function"]) for tool in weather["tools"]]
     args = {"model": "default", "input": weather["messages"], "tools": tools, "temperature": 0.0,

@@ -1,8 +1,9 @@
 //! The Responses API (`POST /v1/responses`) through the real server: the
 //! bundled model answers its golden chats as the reference wrote them, its
-//! reasoning in `reasoning`, its text as a message item and its tool call as a
-//! `function_call` item, whole and streamed, and answers after the tool's
-//! output comes back as a `function_call_output` item. Streamed, a tool call
+//! reasoning as a `reasoning` item (and in `reasoning`), its text as a message
+//! item and its tool call as a `function_call` item, whole and streamed, and
+//! continues a conversation from a response's output given back as input, the
+//! tool's output as a `function_call_output` item. Streamed, a tool call
 //! arrives as OpenAI streams one: its item (call id and name) added, its
 //! arguments in deltas, done, and in the completed response (mistral.rs 0.8.1
 //! sent only the argument deltas, without the call's name, and a completed
@@ -56,8 +57,8 @@ fn answers_in_text_as_the_reference_whole_and_streamed() -> Result<()> {
         assert_eq!(whole["status"], "completed", "{whole}");
         assert_answer(&whole, &reasoning, &text);
         let output = whole["output"].as_array().context("output")?;
-        assert_eq!(output.len(), 1, "{whole}");
-        assert_eq!(output[0]["type"], "message", "{whole}");
+        assert_eq!(output.len(), 2, "{whole}");
+        assert_eq!(output[1]["type"], "message", "{whole}");
 
         let (status, events) =
             server.post_stream("/v1/responses", &responses_request(&fixture, index, true)?)?;
@@ -68,6 +69,35 @@ fn answers_in_text_as_the_reference_whole_and_streamed() -> Result<()> {
             .filter_map(|event| event["delta"].as_str())
             .collect();
         assert_eq!(streamed.trim(), text, "{events:?}");
+        let streamed_reasoning: String = events
+            .iter()
+            .filter(|event| event["type"] == "response.reasoning_text.delta")
+            .filter_map(|event| event["delta"].as_str())
+            .collect();
+        assert_eq!(streamed_reasoning.trim(), reasoning, "{events:?}");
+        // The reasoning item (output 0) is added and done before the message
+        // (output 1) is added.
+        let positions: Vec<(String, u64)> = events
+            .iter()
+            .filter(|event| {
+                event["type"] == "response.output_item.added"
+                    || event["type"] == "response.output_item.done"
+            })
+            .map(|event| {
+                let kind = format!("{} {}", event["type"], event["item"]["type"]);
+                (kind, event["output_index"].as_u64().unwrap_or(u64::MAX))
+            })
+            .collect();
+        let expected: Vec<(String, u64)> = [
+            ("\"response.output_item.added\" \"reasoning\"", 0),
+            ("\"response.output_item.done\" \"reasoning\"", 0),
+            ("\"response.output_item.added\" \"message\"", 1),
+            ("\"response.output_item.done\" \"message\"", 1),
+        ]
+        .into_iter()
+        .map(|(kind, index)| (kind.to_string(), index))
+        .collect();
+        assert_eq!(positions, expected, "{events:?}");
         let completed = completed_response(&events)?;
         assert_answer(completed, &reasoning, &text);
     }
@@ -88,10 +118,10 @@ fn calls_the_reference_tool_whole_and_streamed() -> Result<()> {
 
     let (status, whole) = server.post("/v1/responses", &responses_request(&fixture, 2, false)?)?;
     assert_eq!(status, 200, "{whole}");
-    assert_eq!(text_of(&whole["reasoning"]), reasoning, "{whole}");
+    assert_reasoning(&whole, &reasoning);
     let output = whole["output"].as_array().context("output")?;
-    assert_eq!(output.len(), 1, "{whole}");
-    assert_function_call(&output[0], &expected_arguments);
+    assert_eq!(output.len(), 2, "{whole}");
+    assert_function_call(&output[1], &expected_arguments);
 
     let (status, events) =
         server.post_stream("/v1/responses", &responses_request(&fixture, 2, true)?)?;
@@ -102,8 +132,15 @@ fn calls_the_reference_tool_whole_and_streamed() -> Result<()> {
             .filter(|event| event["type"] == kind)
             .collect()
     };
-    let added = of_type("response.output_item.added");
+    let calls_of = |kind: &str| -> Vec<&Value> {
+        of_type(kind)
+            .into_iter()
+            .filter(|event| event["item"]["type"] == "function_call")
+            .collect()
+    };
+    let added = calls_of("response.output_item.added");
     assert_eq!(added.len(), 1, "{events:?}");
+    assert_eq!(added[0]["output_index"], 1, "{events:?}");
     let item = &added[0]["item"];
     assert_eq!(item["type"], "function_call", "{events:?}");
     assert_eq!(item["name"], "get_weather", "{events:?}");
@@ -128,17 +165,17 @@ fn calls_the_reference_tool_whole_and_streamed() -> Result<()> {
         serde_json::from_str::<Value>(&streamed)?,
         expected_arguments
     );
-    let item_done = of_type("response.output_item.done");
+    let item_done = calls_of("response.output_item.done");
     assert_eq!(item_done.len(), 1, "{events:?}");
     assert_function_call(&item_done[0]["item"], &expected_arguments);
     assert_eq!(item_done[0]["item"]["call_id"], call_id, "{events:?}");
 
     let completed = completed_response(&events)?;
-    assert_eq!(text_of(&completed["reasoning"]), reasoning, "{completed}");
+    assert_reasoning(completed, &reasoning);
     let output = completed["output"].as_array().context("output")?;
-    assert_eq!(output.len(), 1, "{completed}");
-    assert_function_call(&output[0], &expected_arguments);
-    assert_eq!(output[0]["call_id"], call_id, "{completed}");
+    assert_eq!(output.len(), 2, "{completed}");
+    assert_function_call(&output[1], &expected_arguments);
+    assert_eq!(output[1]["call_id"], call_id, "{completed}");
     Ok(())
 }
 
@@ -239,6 +276,70 @@ fn continues_a_conversation_from_an_answer_given_back_as_its_message_item() -> R
     Ok(())
 }
 
+/// The weather question in two turns as a client of the Responses API makes
+/// them: the first streamed, its completed response's output given back as it
+/// came (the reasoning item, the call) with the tool's output. The endpoint
+/// renders the conversation as the chat completions endpoint renders the same
+/// turns (as many prompt tokens), and the model answers as the reference.
+#[test]
+fn continues_after_a_call_from_a_streamed_response_given_back_whole() -> Result<()> {
+    let (fixture, server) = served()?;
+    let sequence = &fixture.facts["sequences"][4];
+    let messages = sequence["messages"].as_array().context("messages")?;
+    let (reasoning, text) = fixture.reference_answer(4)?;
+    let mut first = responses_request(&fixture, 4, true)?;
+    first["input"] = json!([messages[0]]);
+    let (status, events) = server.post_stream("/v1/responses", &first)?;
+    assert_eq!(status, 200, "{events:?}");
+    let output = completed_response(&events)?["output"]
+        .as_array()
+        .cloned()
+        .context("output")?;
+    assert_eq!(output.len(), 2, "{output:?}");
+    let call_id = output[1]["call_id"].clone();
+
+    let mut second = responses_request(&fixture, 4, false)?;
+    let mut input = vec![messages[0].clone()];
+    input.extend(output.iter().cloned());
+    input.push(json!({
+        "type": "function_call_output",
+        "call_id": call_id,
+        "output": messages[2]["content"],
+    }));
+    second["input"] = Value::Array(input);
+    let (status, response) = server.post("/v1/responses", &second)?;
+    assert_eq!(status, 200, "{response}");
+    assert_answer(&response, &reasoning, &text);
+
+    let chat = json!({
+        "model": "default",
+        "temperature": 0.0,
+        "max_tokens": 128,
+        "tools": second["tools"],
+        "messages": [
+            messages[0],
+            {
+                "role": "assistant",
+                "reasoning_content": output[0]["content"][0]["text"],
+                "content": "",
+                "tool_calls": [{
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": output[1]["name"], "arguments": output[1]["arguments"]},
+                }],
+            },
+            {"role": "tool", "tool_call_id": call_id, "content": messages[2]["content"]},
+        ],
+    });
+    let (status, expected) = server.post("/v1/chat/completions", &chat)?;
+    assert_eq!(status, 200, "{expected}");
+    assert_eq!(
+        response["usage"]["input_tokens"], expected["usage"]["prompt_tokens"],
+        "{response}\n{expected}"
+    );
+    Ok(())
+}
+
 /// A tool in either shape that lacks its function's name is refused with a
 /// 422 naming the field, and the server answers the next request.
 #[test]
@@ -263,8 +364,27 @@ fn a_tool_without_a_name_is_refused_naming_it() -> Result<()> {
 
 /// A response whose reasoning and text are the reference's.
 fn assert_answer(response: &Value, reasoning: &str, text: &str) {
-    assert_eq!(text_of(&response["reasoning"]), reasoning, "{response}");
+    assert_reasoning(response, reasoning);
     assert_eq!(text_of(&response["output_text"]), text, "{response}");
+}
+
+/// A response whose reasoning is `reasoning`: in `reasoning` and as its first
+/// output item, a completed `reasoning` item of one `reasoning_text` part.
+fn assert_reasoning(response: &Value, reasoning: &str) {
+    assert_eq!(text_of(&response["reasoning"]), reasoning, "{response}");
+    let item = &response["output"][0];
+    assert_eq!(item["type"], "reasoning", "{response}");
+    assert_eq!(item["status"], "completed", "{response}");
+    assert!(
+        item["id"].as_str().is_some_and(|id| id.starts_with("rs_")),
+        "{response}"
+    );
+    assert_eq!(item["content"][0]["type"], "reasoning_text", "{response}");
+    assert_eq!(
+        text_of(&item["content"][0]["text"]),
+        reasoning,
+        "{response}"
+    );
 }
 
 /// The `response` of a stream's last event, `response.completed`.
