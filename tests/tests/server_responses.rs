@@ -340,6 +340,60 @@ fn continues_after_a_call_from_a_streamed_response_given_back_whole() -> Result<
     Ok(())
 }
 
+/// The weather question's second turn through the server's own store
+/// (`previous_response_id`, the input only the tool's output): the stored
+/// history holds the first answer's reasoning and call as its output gives
+/// them back, so the prompt is the one of the same turns given back whole
+/// (as many tokens), and the model answers as the reference. mistral.rs 0.8.1
+/// stored an answer's text only: a call's turn was left out of the history.
+#[test]
+fn continues_after_a_call_from_a_stored_response() -> Result<()> {
+    let (fixture, server) = served()?;
+    let sequence = &fixture.facts["sequences"][4];
+    let messages = sequence["messages"].as_array().context("messages")?;
+    let (reasoning, text) = fixture.reference_answer(4)?;
+    for stream in [false, true] {
+        let mut first = responses_request(&fixture, 4, stream)?;
+        first["input"] = json!([messages[0]]);
+        first["store"] = json!(true);
+        let answer = if stream {
+            let (status, events) = server.post_stream("/v1/responses", &first)?;
+            assert_eq!(status, 200, "{events:?}");
+            completed_response(&events)?.clone()
+        } else {
+            let (status, answer) = server.post("/v1/responses", &first)?;
+            assert_eq!(status, 200, "{answer}");
+            answer
+        };
+        let output = answer["output"].as_array().context("output")?;
+        let tool_output = json!({
+            "type": "function_call_output",
+            "call_id": output.last().context("no output")?["call_id"],
+            "output": messages[2]["content"],
+        });
+
+        let mut stored = responses_request(&fixture, 4, false)?;
+        stored["previous_response_id"] = answer["id"].clone();
+        stored["input"] = json!([tool_output]);
+        let (status, response) = server.post("/v1/responses", &stored)?;
+        assert_eq!(status, 200, "{response}");
+        assert_answer(&response, &reasoning, &text);
+
+        let mut whole = responses_request(&fixture, 4, false)?;
+        let mut input = vec![messages[0].clone()];
+        input.extend(output.iter().cloned());
+        input.push(tool_output);
+        whole["input"] = Value::Array(input);
+        let (status, expected) = server.post("/v1/responses", &whole)?;
+        assert_eq!(status, 200, "{expected}");
+        assert_eq!(
+            response["usage"]["input_tokens"], expected["usage"]["input_tokens"],
+            "stream {stream}: {response}\n{expected}"
+        );
+    }
+    Ok(())
+}
+
 /// A tool in either shape that lacks its function's name is refused with a
 /// 422 naming the field, and the server answers the next request.
 #[test]
