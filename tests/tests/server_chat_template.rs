@@ -145,3 +145,67 @@ fn a_pinned_output_gives_reasoning_and_typed_parallel_tool_calls() -> Result<()>
     }
     Ok(())
 }
+
+/// `parallel_tool_calls: false` (OpenAI's, which LangChain's and the Agents
+/// SDK's tool binding send): an answer that calls two tools (the pinned
+/// output) returns its first call only, as vLLM does, through chat
+/// completions and the Responses API, streamed and not; without it both.
+#[test]
+fn parallel_tool_calls_false_returns_the_first_call_only() -> Result<()> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let server = Server::start(&fixture.model_dir, &["--dtype", "f32"])?;
+    for stream in [false, true] {
+        for parallel in [None, Some(false)] {
+            let expected: &[&str] = match parallel {
+                Some(false) => &["get_weather"],
+                _ => &["get_weather", "get_time"],
+            };
+            let mut chat = pinned_request(&fixture, stream);
+            let mut responses = json!({
+                "model": "default",
+                "input": chat["messages"],
+                "tools": chat["tools"],
+                "grammar": chat["grammar"],
+                "temperature": 0.0,
+                "max_output_tokens": 128,
+                "stream": stream,
+            });
+            if let Some(parallel) = parallel {
+                chat["parallel_tool_calls"] = json!(parallel);
+                responses["parallel_tool_calls"] = json!(parallel);
+            }
+            let context = format!("stream {stream}, parallel_tool_calls {parallel:?}");
+
+            let (message, finish_reason) = chat_answer(&server, &chat)?;
+            assert_eq!(finish_reason, "tool_calls", "{context}: {message}");
+            let names: Vec<&str> = message["tool_calls"]
+                .as_array()
+                .context("tool_calls")?
+                .iter()
+                .filter_map(|call| call["name"].as_str())
+                .collect();
+            assert_eq!(names, expected, "{context}: {message}");
+
+            let output = if stream {
+                let (status, events) = server.post_stream("/v1/responses", &responses)?;
+                assert_eq!(status, 200, "{context}: {events:?}");
+                let last = events.last().context("no event")?;
+                assert_eq!(last["type"], "response.completed", "{context}: {events:?}");
+                last["response"]["output"].clone()
+            } else {
+                let (status, response) = server.post("/v1/responses", &responses)?;
+                assert_eq!(status, 200, "{context}: {response}");
+                response["output"].clone()
+            };
+            let names: Vec<&str> = output
+                .as_array()
+                .context("output")?
+                .iter()
+                .filter(|item| item["type"] == "function_call")
+                .filter_map(|item| item["name"].as_str())
+                .collect();
+            assert_eq!(names, expected, "{context}: {output}");
+        }
+    }
+    Ok(())
+}

@@ -394,6 +394,45 @@ fn continues_after_a_call_from_a_stored_response() -> Result<()> {
     Ok(())
 }
 
+/// `tool_choice` naming a function in the Responses API's shape
+/// (`{"type": "function", "name"}`, as OpenAI's clients send it) forces a
+/// call to it as the chat completions' shape does, whole and streamed; a
+/// parameter the server cannot honour (`max_tool_calls`) is refused with a
+/// 422 naming it.
+#[test]
+fn a_named_tool_choice_in_the_responses_shape_forces_its_call() -> Result<()> {
+    let (fixture, server) = served()?;
+    for stream in [false, true] {
+        let mut request = responses_request(&fixture, 1, stream)?;
+        request["tools"] = fixture.facts["sequences"][2]["tools"].clone();
+        request["tool_choice"] = json!({"type": "function", "name": "get_time"});
+        let output = if stream {
+            let (status, events) = server.post_stream("/v1/responses", &request)?;
+            assert_eq!(status, 200, "{events:?}");
+            completed_response(&events)?["output"].clone()
+        } else {
+            let (status, response) = server.post("/v1/responses", &request)?;
+            assert_eq!(status, 200, "{response}");
+            response["output"].clone()
+        };
+        let calls: Vec<&Value> = output
+            .as_array()
+            .context("output")?
+            .iter()
+            .filter(|item| item["type"] == "function_call")
+            .collect();
+        assert_eq!(calls.len(), 1, "{output}");
+        assert_eq!(calls[0]["name"], "get_time", "{output}");
+    }
+
+    let mut request = responses_request(&fixture, 1, false)?;
+    request["max_tool_calls"] = json!(1);
+    let (status, body) = server.post_raw("/v1/responses", &request.to_string())?;
+    assert_eq!(status, 422, "{body}");
+    assert!(body.contains("max_tool_calls"), "{body}");
+    Ok(())
+}
+
 /// A tool in either shape that lacks its function's name is refused with a
 /// 422 naming the field, and the server answers the next request.
 #[test]
