@@ -47,7 +47,8 @@ fn serves_the_bundled_model_and_answers_like_the_reference() -> Result<()> {
 /// A request for several choices (`n`) runs each as a sequence of its own,
 /// with a recurrent state of its own: decoded greedily, every choice is the
 /// reference's answer (the weather question's reasoning and call, the
-/// greeting's reasoning and reply), streamed and not.
+/// greeting's reasoning and reply), streamed and not; whole, the choices are
+/// in the order of their indices and the usage counts all of them.
 #[test]
 fn every_choice_of_a_request_for_several_is_the_reference_answer() -> Result<()> {
     let fixture = Fixture::load("trained-tiny")?;
@@ -85,6 +86,47 @@ fn every_choice_of_a_request_for_several_is_the_reference_answer() -> Result<()>
                 "{message}"
             );
         }
+    }
+
+    // Whole, the usage counts every choice's generated tokens (three greedy
+    // choices: three times the one answer's), and the choices come in the
+    // order of their indices, whichever finishes first (sampled, they end at
+    // different steps).
+    let weather = golden_chat_request(&fixture.facts["sequences"][2], 96, false)?;
+    let (status, one) = server.post("/v1/chat/completions", &weather)?;
+    assert_eq!(status, 200, "{one}");
+    let mut three = weather.clone();
+    three["n"] = serde_json::json!(3);
+    let (status, response) = server.post("/v1/chat/completions", &three)?;
+    assert_eq!(status, 200, "{response}");
+    let tokens = |response: &serde_json::Value, field: &str| response["usage"][field].as_u64();
+    assert_eq!(
+        tokens(&response, "completion_tokens"),
+        tokens(&one, "completion_tokens").map(|one| 3 * one),
+        "{response}\n{one}"
+    );
+    assert_eq!(
+        tokens(&response, "prompt_tokens"),
+        tokens(&one, "prompt_tokens"),
+        "{response}"
+    );
+    for _ in 0..8 {
+        let sampled = serde_json::json!({
+            "model": "default",
+            "messages": [{"role": "user", "content": "What is 17 + 25?"}],
+            "temperature": 1.5,
+            "max_tokens": 40,
+            "n": 4,
+        });
+        let (status, response) = server.post("/v1/chat/completions", &sampled)?;
+        assert_eq!(status, 200, "{response}");
+        let indices: Vec<u64> = response["choices"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|choice| choice["index"].as_u64())
+            .collect();
+        assert_eq!(indices, [0, 1, 2, 3], "{response}");
     }
     Ok(())
 }
