@@ -433,6 +433,43 @@ fn a_named_tool_choice_in_the_responses_shape_forces_its_call() -> Result<()> {
     Ok(())
 }
 
+/// A `previous_response_id` the server does not hold is refused with a 422
+/// naming it (mistral.rs 0.8.1 answered without the history), and the server
+/// holds the last 1,024 stored responses: the first of 1,025 is forgotten, the
+/// last continues its conversation. (0.8.1 kept every stored response and its
+/// history for as long as it ran.)
+#[test]
+fn stored_responses_are_bounded_and_an_unknown_one_is_refused() -> Result<()> {
+    let (fixture, server) = served()?;
+    let mut request = responses_request(&fixture, 1, false)?;
+    request["max_output_tokens"] = json!(1);
+    request["store"] = json!(true);
+    let mut ids = Vec::new();
+    for _ in 0..1025 {
+        let (status, response) = server.post("/v1/responses", &request)?;
+        assert_eq!(status, 200, "{response}");
+        ids.push(response["id"].as_str().context("id")?.to_string());
+    }
+    for (id, expected) in [
+        (ids[0].as_str(), 422),
+        (ids[1024].as_str(), 200),
+        ("resp_unknown", 422),
+    ] {
+        let mut next = responses_request(&fixture, 0, false)?;
+        next["previous_response_id"] = json!(id);
+        next["max_output_tokens"] = json!(1);
+        let (status, body) = server.post_raw("/v1/responses", &next.to_string())?;
+        assert_eq!(status, expected, "{id}: {body}");
+        if expected == 422 {
+            assert!(
+                body.contains("previous_response_id") && body.contains(id),
+                "{body}"
+            );
+        }
+    }
+    Ok(())
+}
+
 /// A tool in either shape that lacks its function's name is refused with a
 /// 422 naming the field, and the server answers the next request.
 #[test]
