@@ -206,3 +206,44 @@ fn a_streamed_completion_reports_its_usage_on_its_last_chunk() -> Result<()> {
     );
     Ok(())
 }
+
+/// `/v1/completions` takes its prompt as token ids too (OpenAI's `prompt`
+/// does; evaluation harnesses such as lm-evaluation-harness send them):
+/// golden sequence 0's ids as the reference tokenized its prompt give the
+/// reference's greedy completion, counted as that many prompt tokens. `echo`
+/// (which needs the prompt's text) with token ids is refused naming it.
+#[test]
+fn a_completion_of_a_prompt_given_as_token_ids_is_the_reference_answer() -> Result<()> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let server = Server::start(&fixture.model_dir, &["--dtype", "f32"])?;
+    let ids = fixture.ids("seq0.input_ids")?;
+    let expected = fixture.facts["sequences"][0]["greedy_completion_text"]
+        .as_str()
+        .map(|text| text.trim_end_matches("<|im_end|>"))
+        .unwrap_or_default();
+    let request = serde_json::json!({
+        "model": "default",
+        "prompt": ids,
+        "temperature": 0.0,
+        "max_tokens": 64,
+    });
+    let (status, response) = server.post("/v1/completions", &request)?;
+    assert_eq!(status, 200, "{response}");
+    assert_eq!(
+        response["choices"][0]["text"].as_str(),
+        Some(expected),
+        "{response}"
+    );
+    assert_eq!(
+        response["usage"]["prompt_tokens"].as_u64(),
+        Some(ids.len() as u64),
+        "{response}"
+    );
+
+    let mut echoed = request.clone();
+    echoed["echo"] = serde_json::json!(true);
+    let (status, body) = server.post_raw("/v1/completions", &echoed.to_string())?;
+    assert_eq!(status, 422, "{body}");
+    assert!(body.contains("`echo`"), "{body}");
+    Ok(())
+}
