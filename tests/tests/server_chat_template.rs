@@ -209,3 +209,48 @@ fn parallel_tool_calls_false_returns_the_first_call_only() -> Result<()> {
     }
     Ok(())
 }
+
+/// `chat_template_kwargs: {"enable_thinking": false}` (vLLM's and SGLang's
+/// way, which their users send) renders golden sequence 3 as the reference
+/// did with thinking disabled, as the top-level `enable_thinking` does; a
+/// variable the template is not given, a value that is not a boolean or two
+/// that disagree are refused with a 422 naming them, not ignored.
+#[test]
+fn chat_template_kwargs_disable_thinking_as_the_reference_rendered_it() -> Result<()> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let server = Server::start(&fixture.model_dir, &["--dtype", "f32"])?;
+    let sequence = &fixture.facts["sequences"][3];
+    assert_eq!(sequence["enable_thinking"], json!(false));
+    let mut request = golden_chat_request(sequence, 1, false)?;
+    request
+        .as_object_mut()
+        .context("request")?
+        .remove("enable_thinking");
+    request["chat_template_kwargs"] = json!({"enable_thinking": false});
+    let (status, response) = server.post("/v1/chat/completions", &request)?;
+    assert_eq!(status, 200, "{response}");
+    let rendered = sequence["rendered_prompt"]
+        .as_str()
+        .context("rendered_prompt")?;
+    assert!(
+        server.log().contains(&format!("prompt={rendered:?}")),
+        "the server did not render {rendered:?}"
+    );
+    assert_eq!(response["usage"]["prompt_tokens"], sequence["len"]);
+
+    for (kwargs, top_level, named) in [
+        (json!({"thinking": false}), None, "`thinking`"),
+        (json!({"enable_thinking": "no"}), None, "must be a boolean"),
+        (json!({"enable_thinking": false}), Some(true), "disagree"),
+    ] {
+        let mut refused = request.clone();
+        refused["chat_template_kwargs"] = kwargs;
+        if let Some(top_level) = top_level {
+            refused["enable_thinking"] = json!(top_level);
+        }
+        let (status, body) = server.post_raw("/v1/chat/completions", &refused.to_string())?;
+        assert_eq!(status, 422, "{body}");
+        assert!(body.contains(named), "{body}");
+    }
+    Ok(())
+}
