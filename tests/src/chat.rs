@@ -290,3 +290,23 @@ pub fn follow_up_messages(question: &str, answer: &Value, next: &str) -> Value {
         {"role": "user", "content": next},
     ])
 }
+
+/// The response to a Responses API request (`POST /v1/responses`), which must
+/// succeed: the body, or when streamed the response of its last event,
+/// `response.completed`.
+pub fn responses_answer(server: &Server, body: &Value) -> Result<Value> {
+    const RESPONSES: &str = "/v1/responses";
+    if body["stream"] == json!(true) {
+        let (status, events) = server.post_stream(RESPONSES, body)?;
+        ensure!(status == 200, "HTTP {status}: {events:?}");
+        let last = events.last().context("no event streamed")?;
+        ensure!(
+            last["type"] == "response.completed",
+            "the stream ends with {last}"
+        );
+        return Ok(last["response"].clone());
+    }
+    let (status, response) = server.post(RESPONSES, body)?;
+    ensure!(status == 200, "HTTP {status}: {response}");
+    Ok(response)
+}

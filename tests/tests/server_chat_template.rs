@@ -8,7 +8,8 @@
 
 use anyhow::{Context, Result};
 use berrylm_tests::chat::{
-    arguments, assert_call, chat_answer, golden_chat_request, reasoning, tool_call_message,
+    arguments, assert_call, chat_answer, golden_chat_request, reasoning, responses_answer,
+    tool_call_message,
 };
 use berrylm_tests::server::Server;
 use berrylm_tests::Fixture;
@@ -186,17 +187,7 @@ fn parallel_tool_calls_false_returns_the_first_call_only() -> Result<()> {
                 .collect();
             assert_eq!(names, expected, "{context}: {message}");
 
-            let output = if stream {
-                let (status, events) = server.post_stream("/v1/responses", &responses)?;
-                assert_eq!(status, 200, "{context}: {events:?}");
-                let last = events.last().context("no event")?;
-                assert_eq!(last["type"], "response.completed", "{context}: {events:?}");
-                last["response"]["output"].clone()
-            } else {
-                let (status, response) = server.post("/v1/responses", &responses)?;
-                assert_eq!(status, 200, "{context}: {response}");
-                response["output"].clone()
-            };
+            let output = responses_answer(&server, &responses)?["output"].clone();
             let names: Vec<&str> = output
                 .as_array()
                 .context("output")?

@@ -10,7 +10,7 @@
 //! response without the call).
 
 use anyhow::{Context, Result};
-use berrylm_tests::chat::golden_chat_request;
+use berrylm_tests::chat::{golden_chat_request, responses_answer};
 use berrylm_tests::server::Server;
 use berrylm_tests::Fixture;
 use serde_json::{json, Value};
@@ -289,9 +289,7 @@ fn continues_after_a_call_from_a_streamed_response_given_back_whole() -> Result<
     let (reasoning, text) = fixture.reference_answer(4)?;
     let mut first = responses_request(&fixture, 4, true)?;
     first["input"] = json!([messages[0]]);
-    let (status, events) = server.post_stream("/v1/responses", &first)?;
-    assert_eq!(status, 200, "{events:?}");
-    let output = completed_response(&events)?["output"]
+    let output = responses_answer(&server, &first)?["output"]
         .as_array()
         .cloned()
         .context("output")?;
@@ -356,15 +354,7 @@ fn continues_after_a_call_from_a_stored_response() -> Result<()> {
         let mut first = responses_request(&fixture, 4, stream)?;
         first["input"] = json!([messages[0]]);
         first["store"] = json!(true);
-        let answer = if stream {
-            let (status, events) = server.post_stream("/v1/responses", &first)?;
-            assert_eq!(status, 200, "{events:?}");
-            completed_response(&events)?.clone()
-        } else {
-            let (status, answer) = server.post("/v1/responses", &first)?;
-            assert_eq!(status, 200, "{answer}");
-            answer
-        };
+        let answer = responses_answer(&server, &first)?;
         let output = answer["output"].as_array().context("output")?;
         let tool_output = json!({
             "type": "function_call_output",
@@ -406,15 +396,7 @@ fn a_named_tool_choice_in_the_responses_shape_forces_its_call() -> Result<()> {
         let mut request = responses_request(&fixture, 1, stream)?;
         request["tools"] = fixture.facts["sequences"][2]["tools"].clone();
         request["tool_choice"] = json!({"type": "function", "name": "get_time"});
-        let output = if stream {
-            let (status, events) = server.post_stream("/v1/responses", &request)?;
-            assert_eq!(status, 200, "{events:?}");
-            completed_response(&events)?["output"].clone()
-        } else {
-            let (status, response) = server.post("/v1/responses", &request)?;
-            assert_eq!(status, 200, "{response}");
-            response["output"].clone()
-        };
+        let output = responses_answer(&server, &request)?["output"].clone();
         let calls: Vec<&Value> = output
             .as_array()
             .context("output")?
