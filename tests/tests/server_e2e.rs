@@ -247,3 +247,67 @@ fn a_completion_of_a_prompt_given_as_token_ids_is_the_reference_answer() -> Resu
     assert!(body.contains("`echo`"), "{body}");
     Ok(())
 }
+
+/// `/v1/completions` takes a list of prompts, as texts or as token ids:
+/// golden sequences 0 and 1 (their rendered prompts, or their ids as the
+/// reference tokenized them) get each the reference's greedy completion at its
+/// prompt's index, and the usage counts both prompts' tokens. A streamed list
+/// is refused, naming what to do instead.
+#[test]
+fn a_list_of_completion_prompts_gets_each_prompts_reference_answer() -> Result<()> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let server = Server::start(&fixture.model_dir, &["--dtype", "f32"])?;
+    let sequences = [0, 1];
+    let expected: Vec<&str> = sequences
+        .iter()
+        .map(|&index| {
+            fixture.facts["sequences"][index]["greedy_completion_text"]
+                .as_str()
+                .map(|text| text.trim_end_matches("<|im_end|>"))
+                .unwrap_or_default()
+        })
+        .collect();
+    let texts: Vec<&str> = sequences
+        .iter()
+        .filter_map(|&index| fixture.facts["sequences"][index]["rendered_prompt"].as_str())
+        .collect();
+    let ids = sequences
+        .iter()
+        .map(|&index| fixture.ids(&format!("seq{index}.input_ids")))
+        .collect::<Result<Vec<_>>>()?;
+    let prompt_tokens: usize = ids.iter().map(Vec::len).sum();
+    for prompt in [serde_json::json!(texts), serde_json::json!(ids)] {
+        let request = serde_json::json!({
+            "model": "default",
+            "prompt": prompt,
+            "temperature": 0.0,
+            "max_tokens": 64,
+        });
+        let (status, response) = server.post("/v1/completions", &request)?;
+        assert_eq!(status, 200, "{response}");
+        let answers: Vec<(u64, &str)> = response["choices"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|choice| {
+                (
+                    choice["index"].as_u64().unwrap_or(u64::MAX),
+                    choice["text"].as_str().unwrap_or_default(),
+                )
+            })
+            .collect();
+        assert_eq!(answers, [(0, expected[0]), (1, expected[1])], "{response}");
+        assert_eq!(
+            response["usage"]["prompt_tokens"].as_u64(),
+            Some(prompt_tokens as u64),
+            "{response}"
+        );
+
+        let mut streamed = request.clone();
+        streamed["stream"] = serde_json::json!(true);
+        let (status, body) = server.post_raw("/v1/completions", &streamed.to_string())?;
+        assert_eq!(status, 422, "{body}");
+        assert!(body.contains("one prompt a request"), "{body}");
+    }
+    Ok(())
+}
