@@ -357,6 +357,24 @@ impl Server {
         Ok(())
     }
 
+    /// POSTs `body` to `path` and asserts an HTTP 422 (the request's fault,
+    /// as the server refuses a parameter it cannot honour) whose body mentions
+    /// `names`.
+    pub fn assert_unprocessable(
+        &self,
+        path: &str,
+        body: &serde_json::Value,
+        names: &str,
+    ) -> Result<()> {
+        let (status, response) = self.post_raw(path, &body.to_string())?;
+        assert_eq!(status, 422, "{body}: {response}");
+        assert!(
+            response.contains(names),
+            "{body}: HTTP 422 but the body does not mention {names:?}: {response}"
+        );
+        Ok(())
+    }
+
     /// POSTs a streaming request and returns the `data:` payloads of the SSE stream.
     pub fn post_stream(
         &self,

@@ -242,9 +242,7 @@ fn a_completion_of_a_prompt_given_as_token_ids_is_the_reference_answer() -> Resu
 
     let mut echoed = request.clone();
     echoed["echo"] = serde_json::json!(true);
-    let (status, body) = server.post_raw("/v1/completions", &echoed.to_string())?;
-    assert_eq!(status, 422, "{body}");
-    assert!(body.contains("`echo`"), "{body}");
+    server.assert_unprocessable("/v1/completions", &echoed, "`echo`")?;
     Ok(())
 }
 
@@ -305,9 +303,7 @@ fn a_list_of_completion_prompts_gets_each_prompts_reference_answer() -> Result<(
 
         let mut streamed = request.clone();
         streamed["stream"] = serde_json::json!(true);
-        let (status, body) = server.post_raw("/v1/completions", &streamed.to_string())?;
-        assert_eq!(status, 422, "{body}");
-        assert!(body.contains("one prompt a request"), "{body}");
+        server.assert_unprocessable("/v1/completions", &streamed, "one prompt a request")?;
     }
     Ok(())
 }

@@ -409,9 +409,7 @@ fn a_named_tool_choice_in_the_responses_shape_forces_its_call() -> Result<()> {
 
     let mut request = responses_request(&fixture, 1, false)?;
     request["max_tool_calls"] = json!(1);
-    let (status, body) = server.post_raw("/v1/responses", &request.to_string())?;
-    assert_eq!(status, 422, "{body}");
-    assert!(body.contains("max_tool_calls"), "{body}");
+    server.assert_unprocessable("/v1/responses", &request, "max_tool_calls")?;
     Ok(())
 }
 
@@ -464,9 +462,7 @@ fn a_tool_without_a_name_is_refused_naming_it() -> Result<()> {
     ] {
         let mut request = responses_request(&fixture, 2, false)?;
         request["tools"] = json!([tool]);
-        let (status, body) = server.post_raw("/v1/responses", &request.to_string())?;
-        assert_eq!(status, 422, "{body}");
-        assert!(body.contains("missing field `name`"), "{body}");
+        server.assert_unprocessable("/v1/responses", &request, "missing field `name`")?;
     }
     let (status, response) =
         server.post("/v1/responses", &responses_request(&fixture, 0, false)?)?;
