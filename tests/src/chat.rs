@@ -310,3 +310,13 @@ pub fn responses_answer(server: &Server, body: &Value) -> Result<Value> {
     ensure!(status == 200, "HTTP {status}: {response}");
     Ok(response)
 }
+
+/// The `function_call` items of a Responses API response's output, in order.
+pub fn function_call_items(response: &Value) -> Vec<&Value> {
+    response["output"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|item| item["type"] == "function_call")
+        .collect()
+}

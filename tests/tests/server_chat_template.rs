@@ -8,8 +8,8 @@
 
 use anyhow::{Context, Result};
 use berrylm_tests::chat::{
-    arguments, assert_call, chat_answer, golden_chat_request, reasoning, responses_answer,
-    tool_call_message,
+    arguments, assert_call, chat_answer, function_call_items, golden_chat_request, reasoning,
+    responses_answer, tool_call_message,
 };
 use berrylm_tests::server::Server;
 use berrylm_tests::Fixture;
@@ -187,15 +187,12 @@ fn parallel_tool_calls_false_returns_the_first_call_only() -> Result<()> {
                 .collect();
             assert_eq!(names, expected, "{context}: {message}");
 
-            let output = responses_answer(&server, &responses)?["output"].clone();
-            let names: Vec<&str> = output
-                .as_array()
-                .context("output")?
-                .iter()
-                .filter(|item| item["type"] == "function_call")
+            let response = responses_answer(&server, &responses)?;
+            let names: Vec<&str> = function_call_items(&response)
+                .into_iter()
                 .filter_map(|item| item["name"].as_str())
                 .collect();
-            assert_eq!(names, expected, "{context}: {output}");
+            assert_eq!(names, expected, "{context}: {response}");
         }
     }
     Ok(())

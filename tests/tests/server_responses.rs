@@ -10,7 +10,7 @@
 //! response without the call).
 
 use anyhow::{Context, Result};
-use berrylm_tests::chat::{golden_chat_request, responses_answer};
+use berrylm_tests::chat::{function_call_items, golden_chat_request, responses_answer};
 use berrylm_tests::server::Server;
 use berrylm_tests::Fixture;
 use serde_json::{json, Value};
@@ -396,15 +396,10 @@ fn a_named_tool_choice_in_the_responses_shape_forces_its_call() -> Result<()> {
         let mut request = responses_request(&fixture, 1, stream)?;
         request["tools"] = fixture.facts["sequences"][2]["tools"].clone();
         request["tool_choice"] = json!({"type": "function", "name": "get_time"});
-        let output = responses_answer(&server, &request)?["output"].clone();
-        let calls: Vec<&Value> = output
-            .as_array()
-            .context("output")?
-            .iter()
-            .filter(|item| item["type"] == "function_call")
-            .collect();
-        assert_eq!(calls.len(), 1, "{output}");
-        assert_eq!(calls[0]["name"], "get_time", "{output}");
+        let response = responses_answer(&server, &request)?;
+        let calls = function_call_items(&response);
+        assert_eq!(calls.len(), 1, "{response}");
+        assert_eq!(calls[0]["name"], "get_time", "{response}");
     }
 
     let mut request = responses_request(&fixture, 1, false)?;
