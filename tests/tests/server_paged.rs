@@ -3,9 +3,11 @@
 //! log-probabilities within 1e-3 (f32) and the same answers in bf16, also
 //! from an FP8 KV cache and after a prefix-cache hit; the recurrent state of `--max-seqs`
 //! sequences reserved before the paged KV cache is sized, and enough for any
-//! load. The host pages only in CUDA builds, so these
-//! tests are ignored in CI and run on the GPU machine (docs/performance.md):
-//! `test-server_paged --ignored` with the CUDA `mistralrs` as BERRYLM_HOST_BIN.
+//! load; a long prompt arriving while another sequence decodes runs in
+//! chunks between that sequence's decode steps and is answered as it is run
+//! whole. The host pages only in CUDA builds, so these tests are ignored in
+//! CI and run on the GPU machine (docs/performance.md): `test-server_paged
+//! --ignored` with the CUDA `mistralrs` as BERRYLM_HOST_BIN.
 
 use std::thread;
 use std::time::{Duration, Instant};
@@ -331,4 +333,132 @@ fn the_recurrent_state_of_max_seqs_sequences_is_reserved_before_the_kv_cache_and
         server.log()
     );
     Ok(())
+}
+
+/// One forward the server logged: how many sequences, how many tokens each,
+/// and the first sequence's first position.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Forward {
+    sequences: usize,
+    tokens: usize,
+    position: usize,
+}
+
+/// The forwards of the server's `berrylm forward` debug lines, in order
+/// (`{rows} sequences x {tokens} tokens at positions [{first}, ...]`).
+fn forwards(server: &Server) -> Vec<Forward> {
+    server
+        .log()
+        .lines()
+        .filter_map(|line| line.split("berrylm forward: ").nth(1))
+        .filter_map(|rest| {
+            let mut words = rest.split_whitespace();
+            let sequences = words.next()?.parse().ok()?;
+            let tokens = words.nth(2)?.parse().ok()?;
+            let position = rest
+                .split("positions [")
+                .nth(1)?
+                .split([',', ']'])
+                .next()?
+                .trim()
+                .parse()
+                .ok()?;
+            Some(Forward {
+                sequences,
+                tokens,
+                position,
+            })
+        })
+        .collect()
+}
+
+/// A long prompt that arrives while another sequence decodes runs in chunks
+/// of `--chunked-prefill-size` tokens, each in a step of its own with a
+/// decode step of the other sequence after it, and is answered as it is when
+/// it arrives alone and runs whole: token for token up to a near-tie (bf16;
+/// the recurrence and the attention sum over other chunks). One server
+/// answers both, without a prefix cache, so the second computes the prompt again.
+#[test]
+#[ignore = "needs a CUDA build of the host (paged attention); run on the GPU machine"]
+fn a_long_prompt_arriving_while_another_decodes_runs_in_chunks_between_its_steps() -> Result<()> {
+    const CHUNK: usize = 256;
+    let fixture = Fixture::load("trained-tiny")?;
+    let chunk = CHUNK.to_string();
+    let mut args = in_bf16(&PAGED);
+    args.extend(["--chunked-prefill-size", &chunk, "--prefix-cache-n", "0"]);
+    let server = Server::start(&fixture.model_dir, &args)?;
+    let content =
+        "The quick brown fox jumps over the lazy dog. ".repeat(120) + "What did the fox do?";
+    let long_request = json!({
+        "model": "default",
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0.0,
+        "max_tokens": 24,
+    });
+    let whole = chosen_logprobs(&server, &long_request)?;
+    let alone = forwards(&server);
+    assert!(
+        alone
+            .iter()
+            .all(|forward| forward.position == 0 || forward.tokens == 1),
+        "the prompt ran in chunks with nothing else running: {alone:?}"
+    );
+
+    // A sequence that decodes all along (its end-of-sequence tokens banned).
+    let decoding = json!({
+        "model": "default",
+        "prompt": "Once upon a time",
+        "temperature": 0.0,
+        "max_tokens": 2000,
+        "logit_bias": {"0": -100, "2": -100},
+    });
+    let server = &server;
+    let chunked = thread::scope(|scope| -> Result<Value> {
+        let other = scope.spawn(move || server.post("/v1/completions", &decoding));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while forwards(server)[alone.len()..]
+            .iter()
+            .filter(|forward| forward.tokens == 1)
+            .count()
+            < 8
+        {
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "the other sequence never decoded"
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
+        let chunked = chosen_logprobs(server, &long_request)?;
+        let (status, response) = other
+            .join()
+            .expect("the decoding request's thread panicked")?;
+        anyhow::ensure!(status == 200, "HTTP {status}: {response}");
+        Ok(chunked)
+    })?;
+
+    let during = forwards(server).split_off(alone.len());
+    let first_chunk = during
+        .iter()
+        .position(|forward| forward.tokens == CHUNK && forward.position == 0)
+        .with_context(|| format!("no first chunk of {CHUNK} tokens in {during:?}"))?;
+    let mut chunks = vec![first_chunk];
+    chunks.extend((first_chunk + 1..during.len()).filter(|&i| during[i].tokens > 1));
+    assert!(chunks.len() >= 4, "{chunks:?} of {during:?}");
+    for (n, pair) in chunks.windows(2).enumerate() {
+        let next = during[pair[1]];
+        assert_eq!(
+            (next.sequences, next.position),
+            (1, (n + 1) * CHUNK),
+            "chunk {} of {during:?}",
+            n + 1
+        );
+        assert!(
+            during[pair[0] + 1..pair[1]]
+                .iter()
+                .any(|forward| forward.tokens == 1),
+            "no decode step between chunks {n} and {} of {during:?}",
+            n + 1
+        );
+    }
+    assert_same_tokens_up_to_a_near_tie(&whole, &chunked)
 }
