@@ -17,6 +17,16 @@ fn serves_the_bundled_model_and_answers_like_the_reference() -> Result<()> {
     assert_eq!(status, 200, "{models}");
     let listed = models["data"].as_array().map(Vec::len).unwrap_or(0);
     assert!(listed >= 1, "no model listed: {models}");
+    // Each listed model by its id (which may hold slashes), and an id no model has.
+    for model in models["data"].as_array().into_iter().flatten() {
+        let id = model["id"].as_str().unwrap_or_default();
+        let (status, retrieved) = server.get(&format!("/v1/models/{id}"))?;
+        assert_eq!((status, &retrieved), (200, model), "GET /v1/models/{id}");
+    }
+    let (status, missing) = server.get("/v1/models/no-such-model")?;
+    assert_eq!(status, 404, "{missing}");
+    let message = missing["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("no-such-model"), "{missing}");
 
     // "What is 7 + 5?" (golden sequence 0): the reference's greedy completion is
     // "7 plus 5 is 13.\n</think>\n\n7 + 5 = 13.<|im_end|>".

@@ -382,11 +382,10 @@ fn forwards(server: &Server) -> Vec<Forward> {
 #[ignore = "needs a CUDA build of the host (paged attention); run on the GPU machine"]
 fn a_long_prompt_arriving_while_another_decodes_runs_in_chunks_between_its_steps() -> Result<()> {
     const CHUNK: usize = 256;
-    let fixture = Fixture::load("trained-tiny")?;
     let chunk = CHUNK.to_string();
     let mut args = in_bf16(&PAGED);
     args.extend(["--chunked-prefill-size", &chunk, "--prefix-cache-n", "0"]);
-    let server = Server::start(&fixture.model_dir, &args)?;
+    let server = Server::start(&fixtures_dir().join("trained-tiny/model"), &args)?;
     let content =
         "The quick brown fox jumps over the lazy dog. ".repeat(120) + "What did the fox do?";
     let long_request = json!({
