@@ -62,8 +62,9 @@ const NO_KV_SLOT: i64 = -1;
 
 /// What a decode graph is captured for: the batch's rows (its sequences
 /// padded up to one of the model's [`GraphBatches`]) and the longest context
-/// it attends over (the paged attention kernel's launch depends on it),
-/// rounded up to a power of two of at least [`MIN_CONTEXT`].
+/// it attends over (the paged attention kernel's launch depends on it) or
+/// its block tables hold, rounded up to a power of two of at least
+/// [`MIN_CONTEXT`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct GraphKey {
     rows: usize,
@@ -367,8 +368,13 @@ fn graph_key(
     if !takes {
         return Ok(None);
     }
+    // A sequence's block table holds a block for the token after this step's
+    // once its context fills its last block (the host allocates a step ahead),
+    // so the table can be one block wider than the context needs.
+    let table_tokens = step.block_tables.dim(1)? * block_size(paged)?;
     let context = step
         .max_context_len
+        .max(table_tokens)
         .max(MIN_CONTEXT)
         .checked_next_power_of_two()
         .ok_or_else(|| candle_core::Error::Msg("a decode context beyond usize".into()))?;
