@@ -102,22 +102,32 @@ impl Fixture {
         load_checkpoint(&self.model_dir, dtype, &Device::Cpu)
     }
 
-    /// The reference's greedy answer to golden sequence `index` (a chat
-    /// fixture's `greedy_completion_text`): its reasoning and what follows
-    /// `</think>` without the end-of-turn token, both trimmed.
-    pub fn reference_answer(&self, index: usize) -> Result<(String, String)> {
+    /// The reference's greedy completion of golden sequence `index` (a chat
+    /// fixture's `greedy_completion_text`) without the end-of-turn token it
+    /// ends with.
+    pub fn reference_completion(&self, index: usize) -> Result<&str> {
         let text = self.facts["sequences"][index]["greedy_completion_text"]
             .as_str()
             .with_context(|| {
                 format!("{}: sequence {index}: no greedy_completion_text", self.name)
             })?;
-        let (reasoning, rest) = text
+        text.strip_suffix("<|im_end|>").with_context(|| {
+            format!(
+                "{}: sequence {index}: the reference's greedy completion does not end the turn",
+                self.name
+            )
+        })
+    }
+
+    /// The reference's greedy answer to golden sequence `index`
+    /// ([`Fixture::reference_completion`]): its reasoning and what follows
+    /// `</think>`, both trimmed.
+    pub fn reference_answer(&self, index: usize) -> Result<(String, String)> {
+        let (reasoning, rest) = self
+            .reference_completion(index)?
             .split_once("</think>")
             .with_context(|| format!("{}: sequence {index}: no </think>", self.name))?;
-        Ok((
-            reasoning.trim().to_string(),
-            rest.trim_end_matches("<|im_end|>").trim().to_string(),
-        ))
+        Ok((reasoning.trim().to_string(), rest.trim().to_string()))
     }
 }
 

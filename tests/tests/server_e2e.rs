@@ -227,10 +227,7 @@ fn a_completion_of_a_prompt_given_as_token_ids_is_the_reference_answer() -> Resu
     let fixture = Fixture::load("trained-tiny")?;
     let server = Server::start(&fixture.model_dir, &["--dtype", "f32"])?;
     let ids = fixture.ids("seq0.input_ids")?;
-    let expected = fixture.facts["sequences"][0]["greedy_completion_text"]
-        .as_str()
-        .map(|text| text.trim_end_matches("<|im_end|>"))
-        .unwrap_or_default();
+    let expected = fixture.reference_completion(0)?;
     let request = serde_json::json!({
         "model": "default",
         "prompt": ids,
@@ -266,15 +263,10 @@ fn a_list_of_completion_prompts_gets_each_prompts_reference_answer() -> Result<(
     let fixture = Fixture::load("trained-tiny")?;
     let server = Server::start(&fixture.model_dir, &["--dtype", "f32"])?;
     let sequences = [0, 1];
-    let expected: Vec<&str> = sequences
+    let expected = sequences
         .iter()
-        .map(|&index| {
-            fixture.facts["sequences"][index]["greedy_completion_text"]
-                .as_str()
-                .map(|text| text.trim_end_matches("<|im_end|>"))
-                .unwrap_or_default()
-        })
-        .collect();
+        .map(|&index| fixture.reference_completion(index))
+        .collect::<Result<Vec<_>>>()?;
     let texts: Vec<&str> = sequences
         .iter()
         .filter_map(|&index| fixture.facts["sequences"][index]["rendered_prompt"].as_str())

@@ -107,12 +107,7 @@ fn sampling_that_keeps_only_the_most_likely_token_gives_the_greedy_completions()
     });
     for (&(index, sampling), answer) in requests.iter().zip(answers) {
         let choice = answer?;
-        let reference = fixture.facts["sequences"][index]["greedy_completion_text"]
-            .as_str()
-            .context("greedy_completion_text")?;
-        let expected = reference
-            .strip_suffix("<|im_end|>")
-            .context("the reference's greedy completion ends the turn")?;
+        let expected = fixture.reference_completion(index)?;
         // The host trims a completion's leading whitespace (for every model).
         assert_eq!(
             choice["text"].as_str(),
