@@ -8,6 +8,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
+use berrylm_tests::metrics::SLOTS_IN_USE;
 use berrylm_tests::server::Server;
 use berrylm_tests::Fixture;
 
@@ -164,8 +165,12 @@ fn max_tokens_past_the_context_ends_with_length_when_the_context_is_full() -> Re
 
 /// Eight requests at once over `--max-seqs 2`: the scheduler runs at most two
 /// sequences a step (of one length: these prompts all differ, so one), the
-/// others wait (`/metrics` shows them waiting), and every request completes
-/// with the tokens it gives alone.
+/// others wait (`/metrics` shows them waiting), those that have not started
+/// holding no recurrent state (fewer slots in use than requests: all eight
+/// held one until a sequence took its slot at its first step; the host's
+/// length bucketing parks a started sequence among the waiting ones, so the
+/// slots are not bounded by `--max-seqs`), and every request completes with
+/// the tokens it gives alone.
 #[test]
 fn more_requests_than_max_seqs_wait_and_complete_with_their_answers_alone() -> Result<()> {
     let (server, _) = start(&["--max-seqs", "2"])?;
@@ -176,26 +181,24 @@ fn more_requests_than_max_seqs_wait_and_complete_with_their_answers_alone() -> R
         .collect::<Result<_>>()?;
 
     let server = &server;
-    let (together, most_waiting) = thread::scope(|scope| -> Result<_> {
+    let (together, most_waiting, most_slots) = thread::scope(|scope| -> Result<_> {
         let handles: Vec<_> = prompts
             .iter()
             .map(|p| scope.spawn(move || server.complete(p, 32)))
             .collect();
-        let mut most_waiting = 0.0_f64;
+        let (mut most_waiting, mut most_slots) = (0.0_f64, 0.0_f64);
         while !handles.iter().all(|h| h.is_finished()) {
             let metrics = server.metrics()?;
-            let waiting = metrics
-                .get("mistralrs:num_requests_waiting")
-                .copied()
-                .unwrap_or_default();
-            most_waiting = most_waiting.max(waiting);
+            let value = |name: &str| metrics.get(name).copied().unwrap_or_default();
+            most_waiting = most_waiting.max(value("mistralrs:num_requests_waiting"));
+            most_slots = most_slots.max(value(SLOTS_IN_USE));
             thread::sleep(Duration::from_millis(10));
         }
         let together = handles
             .into_iter()
             .map(|h| h.join().expect("request thread panicked"))
             .collect::<Result<Vec<_>>>()?;
-        Ok((together, most_waiting))
+        Ok((together, most_waiting, most_slots))
     })?;
     for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
         assert_eq!(a, t, "prompt {i}: the answer differs from the answer alone");
@@ -205,6 +208,12 @@ fn more_requests_than_max_seqs_wait_and_complete_with_their_answers_alone() -> R
     assert!(
         most_waiting >= 1.0,
         "/metrics never showed a request waiting (8 requests over --max-seqs 2)"
+    );
+    assert!(
+        most_slots < prompts.len() as f64,
+        "{most_slots} recurrent state slots in use for {} requests over --max-seqs 2: \
+         requests waiting for their first step held one",
+        prompts.len()
     );
     Ok(())
 }
