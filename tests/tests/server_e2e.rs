@@ -217,6 +217,17 @@ fn a_streamed_completion_reports_its_usage_on_its_last_chunk() -> Result<()> {
     Ok(())
 }
 
+/// A greedy `/v1/completions` request of `prompt` (text, token ids or a list
+/// of either) for the reference's 64-token completions.
+fn greedy_completion(prompt: serde_json::Value) -> serde_json::Value {
+    serde_json::json!({
+        "model": "default",
+        "prompt": prompt,
+        "temperature": 0.0,
+        "max_tokens": 64,
+    })
+}
+
 /// `/v1/completions` takes its prompt as token ids too (OpenAI's `prompt`
 /// does; evaluation harnesses such as lm-evaluation-harness send them):
 /// golden sequence 0's ids as the reference tokenized its prompt give the
@@ -228,12 +239,7 @@ fn a_completion_of_a_prompt_given_as_token_ids_is_the_reference_answer() -> Resu
     let server = Server::start(&fixture.model_dir, &["--dtype", "f32"])?;
     let ids = fixture.ids("seq0.input_ids")?;
     let expected = fixture.reference_completion(0)?;
-    let request = serde_json::json!({
-        "model": "default",
-        "prompt": ids,
-        "temperature": 0.0,
-        "max_tokens": 64,
-    });
+    let request = greedy_completion(serde_json::json!(ids));
     let (status, response) = server.post("/v1/completions", &request)?;
     assert_eq!(status, 200, "{response}");
     assert_eq!(
@@ -277,12 +283,7 @@ fn a_list_of_completion_prompts_gets_each_prompts_reference_answer() -> Result<(
         .collect::<Result<Vec<_>>>()?;
     let prompt_tokens: usize = ids.iter().map(Vec::len).sum();
     for prompt in [serde_json::json!(texts), serde_json::json!(ids)] {
-        let request = serde_json::json!({
-            "model": "default",
-            "prompt": prompt,
-            "temperature": 0.0,
-            "max_tokens": 64,
-        });
+        let request = greedy_completion(prompt);
         let (status, response) = server.post("/v1/completions", &request)?;
         assert_eq!(status, 200, "{response}");
         let answers: Vec<(u64, &str)> = response["choices"]
