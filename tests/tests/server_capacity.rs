@@ -2,7 +2,9 @@
 //! context is 4096 tokens): a prompt the context cannot hold is refused at
 //! once with a 4xx naming the limit, streamed or not; `max_tokens` past the
 //! context ends with `finish_reason: "length"` when the context is full; more
-//! requests than `--max-seqs` wait and each completes with its answer alone.
+//! requests than `--max-seqs` wait (requests not started holding no recurrent
+//! state, no more than `--max-seqs` started at once) and each completes with
+//! its answer alone.
 
 use std::thread;
 use std::time::{Duration, Instant};
@@ -215,5 +217,35 @@ fn more_requests_than_max_seqs_wait_and_complete_with_their_answers_alone() -> R
          requests waiting for their first step held one",
         prompts.len()
     );
+    Ok(())
+}
+
+/// Eight requests of one prompt length at once over `--max-seqs 2`: when
+/// nothing runs, the scheduler starts at most two of them (the host's
+/// non-paged scheduler started every waiting request whose prompt had the
+/// shortest length, eight in one batch), and each completes with its answer
+/// alone.
+#[test]
+fn requests_of_one_length_over_max_seqs_run_at_most_max_seqs_a_step() -> Result<()> {
+    let (server, _) = start(&["--max-seqs", "2"])?;
+    let prompts: Vec<String> = (0..8).map(|i| digits(i, 12)).collect();
+    let alone: Vec<String> = prompts
+        .iter()
+        .map(|p| server.complete(p, 16))
+        .collect::<Result<_>>()?;
+    let server = &server;
+    let together = thread::scope(|scope| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .map(|p| scope.spawn(move || server.complete(p, 16)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("request thread panicked"))
+            .collect::<Result<Vec<_>>>()
+    })?;
+    assert_eq!(alone, together, "answers differ from the answers alone");
+    let largest = server.largest_batch();
+    assert!(largest <= 2, "a batch of {largest} with --max-seqs 2");
     Ok(())
 }
