@@ -246,6 +246,25 @@ impl Server {
             .to_string())
     }
 
+    /// [`Server::complete`] of every prompt, all sent at once (a thread
+    /// each), in the prompts' order.
+    pub fn complete_all_at_once(
+        &self,
+        prompts: &[String],
+        max_tokens: usize,
+    ) -> Result<Vec<String>> {
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = prompts
+                .iter()
+                .map(|prompt| scope.spawn(move || self.complete(prompt, max_tokens)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|handle| handle.join().expect("request thread panicked"))
+                .collect()
+        })
+    }
+
     /// What the server logged so far (`info`, and `debug` for berrylm).
     /// Terminal colour codes the host's logger writes are removed.
     pub fn log(&self) -> String {

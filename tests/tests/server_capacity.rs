@@ -3,7 +3,7 @@
 //! once with a 4xx naming the limit, streamed or not; `max_tokens` past the
 //! context ends with `finish_reason: "length"` when the context is full; more
 //! requests than `--max-seqs` wait (requests not started holding no recurrent
-//! state, no more than `--max-seqs` started at once) and each completes with
+//! state, no more than `--max-seqs` run a step) and each completes with
 //! its answer alone.
 
 use std::thread;
@@ -233,17 +233,7 @@ fn requests_of_one_length_over_max_seqs_run_at_most_max_seqs_a_step() -> Result<
         .iter()
         .map(|p| server.complete(p, 16))
         .collect::<Result<_>>()?;
-    let server = &server;
-    let together = thread::scope(|scope| {
-        let handles: Vec<_> = prompts
-            .iter()
-            .map(|p| scope.spawn(move || server.complete(p, 16)))
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("request thread panicked"))
-            .collect::<Result<Vec<_>>>()
-    })?;
+    let together = server.complete_all_at_once(&prompts, 16)?;
     assert_eq!(alone, together, "answers differ from the answers alone");
     let largest = server.largest_batch();
     assert!(largest <= 2, "a batch of {largest} with --max-seqs 2");

@@ -49,16 +49,7 @@ fn concurrent_requests_give_the_tokens_each_gives_alone() -> Result<()> {
         .map(|p| server.complete(p, 24))
         .collect::<Result<_>>()?;
 
-    let together: Vec<String> = thread::scope(|scope| {
-        let handles: Vec<_> = prompts
-            .iter()
-            .map(|p| scope.spawn(|| server.complete(p, 24)))
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("request thread panicked"))
-            .collect::<Result<Vec<_>>>()
-    })?;
+    let together = server.complete_all_at_once(&prompts, 24)?;
     for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
         assert_eq!(
             a, t,
