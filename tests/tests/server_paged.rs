@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use berrylm_tests::chat::{
-    assert_same_tokens_up_to_a_near_tie, chosen_logprobs, follow_up_messages, greedy_chat_message,
+    assert_golden_weather_call, assert_same_tokens_up_to_a_near_tie, chat_answer, chosen_logprobs,
+    comparable, follow_up_messages, golden_chat_request, greedy_chat_message,
 };
 use berrylm_tests::metrics::{recurrent_bytes_per_sequence, SLOTS_IN_USE, SLOTS_TOTAL};
 use berrylm_tests::server::Server;
@@ -222,49 +223,31 @@ fn prefix_hit_answers_as_the_contiguous_server(paged: &Server, contiguous: &Serv
     assert_same_tokens_up_to_a_near_tie(&whole, &after_hit)
 }
 
-/// The assistant message of a greedy chat completion, without the ids the
-/// server draws for tool calls.
-fn greedy_message(server: &Server, content: &str) -> Result<Value> {
-    let request = json!({
-        "model": "default",
-        "messages": [{"role": "user", "content": content}],
-        "temperature": 0.0,
-        "max_tokens": 40,
-    });
-    let (status, response) = server.post("/v1/chat/completions", &request)?;
-    anyhow::ensure!(status == 200, "HTTP {status}: {response}");
-    let mut message = response["choices"][0]["message"].clone();
-    for call in message["tool_calls"].as_array_mut().into_iter().flatten() {
-        call["id"] = Value::Null;
-    }
-    Ok(message)
-}
-
 /// An FP8 paged KV cache (`--pa-cache-type f8e4m3`, blocks the host's paged
 /// attention reads in FP8 whatever the activations' dtype) answers the
-/// trained model's weather question with the reasoning and the tool call of
-/// the bf16 cache, in bf16 and in f32 (whose automatic device map once
-/// counted the FP8 cache at 4 bytes an element and refused to load).
+/// trained model's golden weather question (its tools offered) with the
+/// reasoning and the `get_weather` call of the bf16 cache, in bf16 and in f32
+/// (whose automatic device map once counted the FP8 cache at 4 bytes an
+/// element and refused to load).
 #[test]
 #[ignore = "needs a CUDA build of the host (paged attention); run on the GPU machine"]
 fn an_fp8_kv_cache_gives_the_answer_of_the_bf16_one_on_the_trained_model() -> Result<()> {
-    const QUESTION: &str = "What is the weather in Oslo?";
     let fixture = Fixture::load("trained-tiny")?;
-    let expected = greedy_message(
+    let weather = golden_chat_request(&fixture.facts["sequences"][2], 96, false)?;
+    let (message, finish_reason) = chat_answer(
         &Server::start(&fixture.model_dir, &["--dtype", "bf16"])?,
-        QUESTION,
+        &weather,
     )?;
-    assert!(
-        expected["tool_calls"][0]["function"]["name"] == "get_weather",
-        "the bf16 answer calls no tool: {expected}"
-    );
+    assert_golden_weather_call(&message, &finish_reason);
+    let expected = comparable(&message, &finish_reason);
     for dtype in ["bf16", "f32"] {
         let server = Server::start(
             &fixture.model_dir,
             &["--dtype", dtype, "--pa-cache-type", "f8e4m3"],
         )?;
+        let (message, finish_reason) = chat_answer(&server, &weather)?;
         assert_eq!(
-            greedy_message(&server, QUESTION)?,
+            comparable(&message, &finish_reason),
             expected,
             "--dtype {dtype} with an FP8 KV cache"
         );
