@@ -204,6 +204,20 @@ impl Server {
             .context("no VmRSS in /proc/<pid>/status")
     }
 
+    /// Sends the server the signal `name` (`TERM`, `INT`, ...) with `kill`.
+    pub fn signal(&self, name: &str) -> Result<()> {
+        let status = std::process::Command::new("kill")
+            .args(["-s", name, &self.pid().to_string()])
+            .status()?;
+        anyhow::ensure!(status.success(), "kill -s {name} {}: {status}", self.pid());
+        Ok(())
+    }
+
+    /// Whether the server still accepts connections.
+    pub fn accepts_connections(&self) -> bool {
+        TcpStream::connect(("127.0.0.1", self.port)).is_ok()
+    }
+
     /// Whether the server process is still running.
     pub fn is_running(&mut self) -> Result<bool> {
         Ok(self.child.try_wait()?.is_none())

@@ -6,6 +6,8 @@
 //! every recurrent slot is free again (the plugin logs the pool's occupancy at
 //! each forward) and resident memory is back to where it was after the
 //! warm-up. And the model answers after the host unloads and reloads it.
+//! A SIGTERM or Ctrl-C stops the server once the requests in flight are
+//! answered; a second one stops it at once.
 
 use std::io::Read;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -15,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
 use berrylm_tests::fixtures_dir;
+use berrylm_tests::metrics::TOKENS;
 use berrylm_tests::server::Server;
 
 /// `INITIAL_POOL_CAPACITY` of the host's `RecurrentStatePool`
@@ -28,6 +31,7 @@ const WARM_UP_REQUESTS: usize = 2 * CLIENTS;
 const WARM_UP_BURST: usize = 40;
 const REQUESTS: usize = 240;
 const CHAT: &str = "/v1/chat/completions";
+const COMPLETIONS: &str = "/v1/completions";
 
 /// A distinct question per request, except that every tenth repeats an
 /// earlier one (a prefix-cache hit when the cache is on).
@@ -375,5 +379,129 @@ fn the_model_answers_after_it_is_unloaded_and_reloaded() -> Result<()> {
     manage("unload", "unloaded")?;
     manage("reload", "loaded")?;
     assert_eq!(server.complete(PROMPT, 16)?, expected, "after a reload");
+    Ok(())
+}
+
+/// Tokens of the greedy completion the shutdown tests stream: the model's end
+/// of sequence is banned, so that it runs to `max_tokens`.
+const SHUTDOWN_TOKENS: usize = 600;
+
+/// A greedy `/v1/completions` request of [`SHUTDOWN_TOKENS`] tokens that end
+/// of sequence cannot cut short (the bundled model's ids 0 and 2).
+fn long_completion(stream: bool) -> serde_json::Value {
+    serde_json::json!({
+        "model": "default",
+        "prompt": "the",
+        "max_tokens": SHUTDOWN_TOKENS,
+        "temperature": 0.0,
+        "logit_bias": {"0": -100, "2": -100},
+        "stream": stream,
+    })
+}
+
+/// Waits until the server's count of generated tokens passes `baseline`
+/// and returns how far.
+fn generated_since(server: &Server, baseline: f64) -> Result<f64> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let generated = server.metrics()?.get(TOKENS).copied().unwrap_or(0.0) - baseline;
+        if generated > 0.0 {
+            return Ok(generated);
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "no token generated within a minute"
+        );
+        thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// SIGTERM, as an orchestrator stops a container, starts a graceful
+/// shutdown: the server refuses new connections at once, answers the stream
+/// in flight whole (the text of the same request unstreamed, to its
+/// `max_tokens`) and then exits with status 0.
+#[test]
+fn a_sigterm_stops_the_server_once_the_streams_in_flight_are_answered() -> Result<()> {
+    let mut server = Server::start(&fixtures_dir().join("trained-tiny/model"), &[])?;
+    let (status, whole) = server.post(COMPLETIONS, &long_completion(false))?;
+    ensure!(status == 200, "HTTP {status}: {whole}");
+    let baseline = server.metrics()?.get(TOKENS).copied().unwrap_or(0.0);
+    let events = thread::scope(|scope| -> Result<Vec<serde_json::Value>> {
+        let stream = scope.spawn(|| server.post_stream(COMPLETIONS, &long_completion(true)));
+        let generated = generated_since(&server, baseline)?;
+        server.signal("TERM")?;
+        ensure!(
+            generated < SHUTDOWN_TOKENS as f64,
+            "the stream had ended before the signal ({generated} tokens)"
+        );
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while server.accepts_connections() {
+            ensure!(
+                Instant::now() < deadline,
+                "the server still accepts connections 10 s after SIGTERM"
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
+        ensure!(
+            !stream.is_finished(),
+            "the stream ended before the server refused new connections"
+        );
+        let (status, events) = stream.join().expect("the streaming client panicked")?;
+        ensure!(status == 200, "HTTP {status}");
+        Ok(events)
+    })?;
+    let text: String = events
+        .iter()
+        .filter_map(|event| event["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(
+        text,
+        whole["choices"][0]["text"].as_str().unwrap_or_default(),
+        "the streamed text against the same request's whole answer"
+    );
+    let finish_reasons: Vec<&serde_json::Value> = events
+        .iter()
+        .map(|event| &event["choices"][0]["finish_reason"])
+        .filter(|reason| !reason.is_null())
+        .collect();
+    assert_eq!(finish_reasons, [&serde_json::json!("length")], "{events:?}");
+    let exit = server.wait_for_exit(Duration::from_secs(60))?;
+    assert!(
+        exit.is_some_and(|status| status.success()),
+        "the server's exit status after the stream: {exit:?}"
+    );
+    Ok(())
+}
+
+/// A second signal while the server waits for the requests in flight ends it
+/// at once, with the status of a process Ctrl-C ended (130), and the stream
+/// in flight is cut short.
+#[test]
+fn a_second_signal_stops_the_server_at_once() -> Result<()> {
+    let mut server = Server::start(&fixtures_dir().join("trained-tiny/model"), &[])?;
+    let baseline = server.metrics()?.get(TOKENS).copied().unwrap_or(0.0);
+    thread::scope(|scope| -> Result<()> {
+        let stream = scope.spawn(|| server.post_stream(COMPLETIONS, &long_completion(true)));
+        generated_since(&server, baseline)?;
+        server.signal("TERM")?;
+        server.wait_for_log("Shutting down", Duration::from_secs(10))?;
+        server.signal("INT")?;
+        // A stream cut short has no finish reason, or no answer at all.
+        if let Ok((_, events)) = stream.join().expect("the streaming client panicked") {
+            ensure!(
+                events
+                    .iter()
+                    .all(|event| event["choices"][0]["finish_reason"].is_null()),
+                "the stream was answered whole: {events:?}"
+            );
+        }
+        Ok(())
+    })?;
+    let exit = server.wait_for_exit(Duration::from_secs(10))?;
+    assert_eq!(
+        exit.and_then(|status| status.code()),
+        Some(130),
+        "the server's exit status after the second signal: {exit:?}"
+    );
     Ok(())
 }
