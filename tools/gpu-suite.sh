@@ -112,9 +112,21 @@ sys.exit(f"the server was not ready within {sys.argv[3]} s")
 PY
 }
 
+# Stops the servers whose pids are given: SIGTERM starts their graceful
+# shutdown (the requests in flight are answered first); one still running a
+# minute later gets a second signal, which ends it at once.
+stop_servers() {
+    kill "$@" 2>/dev/null
+    for _ in $(seq 60); do
+        kill -0 "$@" 2>/dev/null || break
+        sleep 1
+    done
+    kill -INT "$@" 2>/dev/null
+    wait "$@" 2>/dev/null
+}
+
 stop_server() {
-    kill "$server" 2>/dev/null
-    wait "$server" 2>/dev/null
+    stop_servers "$server"
     echo "--- server log (tail)"
     tail -n 30 "$server_log"
 }
@@ -197,8 +209,7 @@ scale_isq() {
     done
     nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader
     if [ "$ready" -ne "${#names[@]}" ]; then
-        kill "${pids[@]}"
-        wait
+        stop_servers "${pids[@]}"
         return 1
     fi
     for round in $(seq "${SCALE_ISQ_ROUNDS:-3}"); do
@@ -218,8 +229,7 @@ scale_isq() {
                 grep -E "^\| 64" | sed "s/^/${names[$i]} /" || code=1
         done
     fi
-    kill "${pids[@]}"
-    wait
+    stop_servers "${pids[@]}"
     return "$code"
 }
 
