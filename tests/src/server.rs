@@ -375,18 +375,16 @@ impl Server {
         ))
     }
 
-    /// POSTs `body` as it is to `path` and asserts an HTTP 4xx whose body
-    /// mentions `names`; `what` names the request in a failure.
+    /// POSTs `body` as it is to `path` and asserts an HTTP 4xx whose body is
+    /// OpenAI's error object for a request's fault, its message mentioning
+    /// `names`; `what` names the request in a failure.
     pub fn assert_rejected(&self, path: &str, body: &str, names: &str, what: &str) -> Result<()> {
         let (status, response) = self.post_raw(path, body)?;
         assert!(
             (400..500).contains(&status),
             "{what}: expected an HTTP 4xx, got {status}: {response}"
         );
-        assert!(
-            response.contains(names),
-            "{what}: HTTP {status} but the body does not mention {names:?}: {response}"
-        );
+        assert_client_error_object(&response, names, what);
         Ok(())
     }
 
@@ -431,4 +429,22 @@ impl Drop for Server {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Asserts that `body` is OpenAI's error object for a request's fault
+/// (`{"error": {"message", "type": "invalid_request_error", ...}}`) whose
+/// message mentions `names`; `what` names the request in a failure.
+pub fn assert_client_error_object(body: &str, names: &str, what: &str) {
+    let parsed: serde_json::Value = serde_json::from_str(body)
+        .unwrap_or_else(|e| panic!("{what}: the error body is not JSON ({e}): {body}"));
+    let error = &parsed["error"];
+    assert_eq!(
+        error["type"], "invalid_request_error",
+        "{what}: not an OpenAI error object for a request's fault: {body}"
+    );
+    let message = error["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains(names),
+        "{what}: the error's message does not mention {names:?}: {body}"
+    );
 }

@@ -1,13 +1,15 @@
 //! Bad requests never take the server down: each gets an HTTP 4xx whose body
-//! says what is wrong, and afterwards the server answers a normal chat
-//! completion with exactly the tokens it gave before them.
+//! is OpenAI's error object saying what is wrong (a body the server cannot
+//! read and a path or method without a route too), and afterwards the server
+//! answers a normal chat completion with exactly the tokens it gave before
+//! them.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
 use anyhow::Result;
-use berrylm_tests::server::Server;
+use berrylm_tests::server::{assert_client_error_object, Server};
 use berrylm_tests::Fixture;
 
 const CHAT: &str = "/v1/chat/completions";
@@ -330,8 +332,9 @@ fn a_user_message_without_content_is_a_client_error() -> Result<()> {
 }
 
 /// A body declared larger than the server's limit (derived from the model's
-/// context) is refused with 413 at once, before the server waits for it: the
-/// client sends the headers of a 100 MiB body and one byte of it.
+/// context) is refused with 413 and OpenAI's error object naming the limit at
+/// once, before the server waits for it: the client sends the headers of a
+/// 100 MiB body and one byte of it.
 #[test]
 fn a_body_declared_beyond_the_limit_is_refused_before_it_is_read() -> Result<()> {
     let fixture = Fixture::load("trained-tiny")?;
@@ -344,15 +347,47 @@ fn a_body_declared_beyond_the_limit_is_refused_before_it_is_read() -> Result<()>
          Content-Length: 104857600\r\nConnection: close\r\n\r\n{{"
     )?;
     stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let mut reader = BufReader::new(stream);
     let mut status_line = String::new();
-    BufReader::new(stream).read_line(&mut status_line)?;
+    reader.read_line(&mut status_line)?;
     assert!(
         status_line.split_whitespace().nth(1) == Some("413"),
         "expected 413 for a declared 100 MiB body, got {status_line:?}"
     );
+    let mut response = String::new();
+    reader.read_to_string(&mut response)?;
+    let body = response.split_once("\r\n\r\n").map_or("", |(_, body)| body);
+    assert_client_error_object(
+        body,
+        "exceeds the limit",
+        "a body declared beyond the limit",
+    );
     assert!(
         server.log().contains("Request bodies are limited to"),
         "the server did not log its body limit"
+    );
+    assert_still_serving(&mut server, &fixture, &before)
+}
+
+/// A path without a route and a method the path does not take are answered
+/// with OpenAI's error object too, naming the path and the method.
+#[test]
+fn requests_refused_before_a_handler_get_openai_error_objects() -> Result<()> {
+    let fixture = Fixture::load("trained-tiny")?;
+    let mut server = start(&fixture)?;
+    let before = normal_answer(&server, &fixture)?;
+    server.assert_rejected(
+        "/v1/no-such-endpoint",
+        "{}",
+        "/v1/no-such-endpoint",
+        "an unknown path",
+    )?;
+    let (status, body) = server.get(CHAT)?;
+    assert_eq!(status, 405, "GET {CHAT}: {body}");
+    assert_client_error_object(
+        &body.to_string(),
+        "GET /v1/chat/completions",
+        "GET on a POST endpoint",
     );
     assert_still_serving(&mut server, &fixture, &before)
 }
