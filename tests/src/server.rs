@@ -389,8 +389,8 @@ impl Server {
     }
 
     /// POSTs `body` to `path` and asserts an HTTP 422 (the request's fault,
-    /// as the server refuses a parameter it cannot honour) whose body mentions
-    /// `names`.
+    /// as the server refuses a parameter it cannot honour) whose body is
+    /// OpenAI's error object, its message mentioning `names`.
     pub fn assert_unprocessable(
         &self,
         path: &str,
@@ -399,10 +399,7 @@ impl Server {
     ) -> Result<()> {
         let (status, response) = self.post_raw(path, &body.to_string())?;
         assert_eq!(status, 422, "{body}: {response}");
-        assert!(
-            response.contains(names),
-            "{body}: HTTP 422 but the body does not mention {names:?}: {response}"
-        );
+        assert_client_error_object(&response, names, &body.to_string());
         Ok(())
     }
 
