@@ -222,6 +222,11 @@ fn bad_requests_get_a_4xx_naming_the_problem_and_the_server_keeps_serving() -> R
             hello(serde_json::json!({"logit_bias": {vocab_size.to_string(): 1}})),
             format!("{vocab_size} token ids"),
         ),
+        (
+            "an empty stop string (every answer would end at its first token)",
+            hello(serde_json::json!({"stop": ["done", ""]})),
+            "stop".to_string(),
+        ),
     ];
     for (what, body, names) in &cases {
         server.assert_rejected(CHAT, body, names, what)?;
@@ -270,6 +275,11 @@ fn bad_plain_completions_get_a_4xx_naming_the_problem() -> Result<()> {
             "more alternatives per token than 20",
             serde_json::json!({"logprobs": 100}),
             "top_logprobs",
+        ),
+        (
+            "an empty stop string",
+            serde_json::json!({"stop": ""}),
+            "stop",
         ),
     ];
     for (what, extra, names) in cases {
